@@ -1,0 +1,322 @@
+"""Decoders: vanilla autoregressive decoding and SDSAT's two-step draft-then-verify.
+
+Every decoder is a generator that yields one `StepRecord` per iteration and then one
+`GenerationResult`, so the app can stream and the benchmark can drain them alike. The KV cache is a
+transformers `DynamicCache` owned by the decoder; `_rollback` is the one place it shrinks.
+
+SDSAT iteration (paper, section 3.3), with `pending` the tokens not yet in the cache:
+  1. draft:  feed [pending, SAT x k]. The logits at the last pending token give t, which is what
+     vanilla decoding would emit; the logits at SAT j give draft d_{j+1}. Drop the SATs from the cache.
+  2. verify: feed [t, d_1..d_k]. Accept the longest prefix of drafts the model agrees with, plus the
+     model's own next token (the bonus), which becomes `pending`. Drop the rejected drafts.
+Each iteration costs two forward passes and emits 2 + accepted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+from transformers import DynamicCache
+
+from .prompts import StopChecker
+from .sampling import SamplingConfig, TokenChooser
+from .sat import SatModel
+
+METHODS = ("vanilla", "sdsat")
+
+
+@dataclass
+class DecodeConfig:
+    """One generation request; the CLI, the app and the benchmark fill this in."""
+
+    method: str = "sdsat"  # "sdsat" (draft-then-verify) or "vanilla" (one token per forward pass)
+    k: int = 5  # adaptive tokens (drafts) per SDSAT step, 1..the SAT spec's max_k
+    max_new_tokens: int = 128  # stop after this many new tokens
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy unless do_sample
+    stop_strings: list[str] = field(default_factory=list)  # stop once the output contains one
+    adaptive_k: bool = False  # SDSAT: shrink / grow k from recent acceptance (k is the upper bound)
+
+    def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens must be between 1 and {max_new_tokens_limit}, got {self.max_new_tokens}")
+        if self.method == "sdsat":
+            if max_k is None:
+                raise ValueError("SDSAT decoding needs a model with adaptive tokens (a SAT spec or adapter)")
+            if not isinstance(self.k, int) or not 1 <= self.k <= max_k:
+                raise ValueError(f"k (number of adaptive tokens) must be between 1 and {max_k}, got {self.k}")
+        self.sampling.validate()
+
+
+@dataclass
+class StepRecord:
+    """One iteration. Vanilla steps emit one token and draft nothing."""
+
+    index: int  # iteration number, from 0
+    kv_len_before: int  # tokens in the cache when the iteration started
+    k: int  # drafts asked for (0 for vanilla)
+    drafts: list[int]  # d_1..d_k from the SATs
+    draft_probs: list[float]  # q(d_i): the SAT's probability of its own draft
+    predictions: list[int]  # argmax of the model after t, d_1, ..., d_k (what verification compared)
+    accepted: int  # drafts accepted (a prefix of `drafts`)
+    tokens: list[int]  # tokens emitted this iteration, in order (cut where decoding stops)
+    sources: list[str]  # per emitted token: "verified" (step 1), "draft" (accepted) or "bonus" (step 2)
+    probs: list[float]  # per emitted token: the model's probability p of it
+    pass_seconds: list[float]  # wall time of each forward pass this iteration
+    kv_len: int  # tokens in the cache after the iteration
+    elapsed: float  # seconds since the request started, at the end of this iteration
+
+    @property
+    def rejected(self) -> list[int]:
+        return self.drafts[self.accepted:]
+
+    @property
+    def forward_passes(self) -> int:
+        return len(self.pass_seconds)
+
+
+@dataclass
+class GenerationResult:
+    """The whole generation, with the metrics of SDSAT.md."""
+
+    method: str
+    k: int  # 0 for vanilla
+    prompt_ids: list[int]
+    token_ids: list[int]  # new tokens only
+    text: str  # new tokens decoded, special tokens skipped
+    seconds: float  # wall time of the request, prefill included
+    prefill_seconds: float  # wall time of the first forward pass
+    stop_reason: str  # "eos", "max_new_tokens" or "stop_string"
+    steps: list[StepRecord]
+
+    @property
+    def forward_passes(self) -> int:
+        return sum(s.forward_passes for s in self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def tokens_per_forward_pass(self) -> float:
+        return len(self.token_ids) / self.forward_passes if self.forward_passes else math.nan
+
+    @property
+    def mean_tokens_per_iteration(self) -> float:
+        """New tokens per iteration, the verified and bonus tokens counted (vLLM's 'mean accepted length')."""
+        return len(self.token_ids) / len(self.steps) if self.steps else math.nan
+
+    @property
+    def mean_accepted_drafts(self) -> float:
+        """Accepted drafts per iteration, the verified and bonus tokens not counted."""
+        return sum(s.accepted for s in self.steps) / len(self.steps) if self.steps else math.nan
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Share of iterations that drafted position i in which draft i was accepted."""
+        drafted: list[int] = []
+        accepted: list[int] = []
+        for step in self.steps:
+            for i in range(len(step.drafts)):
+                if i == len(drafted):
+                    drafted.append(0)
+                    accepted.append(0)
+                drafted[i] += 1
+                accepted[i] += i < step.accepted
+        return [a / d for a, d in zip(accepted, drafted)]
+
+    def summary(self) -> dict:
+        return {
+            "method": self.method,
+            "k": self.k,
+            "new_tokens": len(self.token_ids),
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "forward_passes": self.forward_passes,
+            "tokens_per_forward_pass": self.tokens_per_forward_pass,
+            "iterations": len(self.steps),
+            "mean_tokens_per_iteration": self.mean_tokens_per_iteration,
+            "mean_accepted_drafts": self.mean_accepted_drafts,
+            "acceptance_by_position": self.acceptance_by_position,
+            "stop_reason": self.stop_reason,
+        }
+
+    def to_dict(self) -> dict:
+        steps = [asdict(s) | {"rejected": s.rejected} for s in self.steps]
+        return self.summary() | {"prompt_ids": self.prompt_ids, "token_ids": self.token_ids, "text": self.text,
+                                 "prefill_seconds": self.prefill_seconds, "steps": steps}
+
+
+Event = StepRecord | GenerationResult
+
+
+class _Clock:
+    """Times forward passes; synchronises CUDA first so the clock reads finished work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = self.now()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def elapsed(self) -> float:
+        return self.now() - self.start
+
+
+def _rollback(cache: DynamicCache, length: int) -> None:
+    """Shrink the cache to its first `length` tokens: the only place entries leave it."""
+    drop = cache.get_seq_length() - length
+    if drop > 0:
+        cache.crop(-drop)
+
+
+def decode(sat_model: SatModel | torch.nn.Module, tokenizer, prompt_ids: list[int], config: DecodeConfig,
+           eos_ids: list[int], should_stop=None) -> Iterator[Event]:
+    """Run one request; yields a StepRecord per iteration, then the GenerationResult.
+
+    Args:
+        sat_model: a SatModel (required for SDSAT) or a plain causal LM (vanilla only).
+        prompt_ids: the encoded prompt, at least one token.
+        eos_ids: ids that end the output (included in it, as `model.generate` does).
+        should_stop: optional callable checked between iterations; True cancels the request and
+            the result so far is returned with stop_reason "cancelled".
+    """
+    max_k = sat_model.max_k if isinstance(sat_model, SatModel) else None
+    config.validate(max_k=max_k)
+    if not prompt_ids:
+        raise ValueError("prompt must contain at least one token")
+    if config.method == "vanilla":
+        return _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop)
+    return _sdsat(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop)
+
+
+def _model_of(sat_model) -> torch.nn.Module:
+    return sat_model.model if isinstance(sat_model, SatModel) else sat_model
+
+
+def _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop) -> Iterator[Event]:
+    model = _model_of(sat_model)
+    device = next(model.parameters()).device
+    chooser = TokenChooser(config.sampling, device)
+    stop = StopChecker(tokenizer, eos_ids, config.max_new_tokens, config.stop_strings)
+    cache = DynamicCache(config=model.config)
+    clock = _Clock(device)
+    steps: list[StepRecord] = []
+    pending = prompt_ids
+    prefill_seconds = 0.0
+    with torch.inference_mode():
+        while True:
+            kv_before = cache.get_seq_length()
+            t0 = clock.now()
+            logits = model(input_ids=torch.tensor([pending], device=device), past_key_values=cache, use_cache=True).logits
+            tokens, probs = chooser.choose(logits[0, -1:])
+            t1 = clock.now()
+            prefill_seconds = prefill_seconds or t1 - t0
+            token = int(tokens[0])
+            done = stop.add(token)
+            steps.append(StepRecord(len(steps), kv_before, 0, [], [], [], 0, [token], ["verified"], [float(probs[0])],
+                                    [t1 - t0], cache.get_seq_length(), t1 - clock.start))
+            yield steps[-1]
+            if done or (should_stop is not None and should_stop()):
+                break
+            pending = [token]
+    yield _result(config, 0, prompt_ids, stop, steps, clock, prefill_seconds, tokenizer)
+
+
+def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_stop) -> Iterator[Event]:
+    model = sat_model.model
+    device = sat_model.device
+    chooser = TokenChooser(config.sampling, device)
+    stop = StopChecker(tokenizer, eos_ids, config.max_new_tokens, config.stop_strings)
+    cache = DynamicCache(config=model.config)
+    clock = _Clock(device)
+    steps: list[StepRecord] = []
+    pending = list(prompt_ids)  # tokens not yet in the cache: the prompt, then each bonus token
+    k_policy = _KPolicy(config.k, adaptive=config.adaptive_k)
+    prefill_seconds = 0.0
+    with torch.inference_mode():
+        while True:
+            k = k_policy.next_k()
+            kv_before = cache.get_seq_length()
+            # 1. Draft: [pending, SAT x k] gives the certain token t and the drafts d_1..d_k.
+            t0 = clock.now()
+            n = len(pending)
+            ids = torch.tensor([pending + [0] * k], device=device)
+            slots = torch.cat([torch.full((n,), -1, device=device), sat_model.sat_block(k)])[None]
+            logits = sat_model.forward(ids, slots, cache=cache)[0]  # (n + k, V)
+            _rollback(cache, kv_before + n)  # the SATs leave the cache
+            t_tok, t_prob = chooser.choose(logits[n - 1:n])
+            q = chooser.probs(logits[n:])  # (k, V): q_i, the SAT's distribution for draft i
+            drafts = torch.multinomial(q, 1, generator=chooser.generator).squeeze(-1) if config.sampling.do_sample else q.argmax(-1)
+            t1 = clock.now()
+            prefill_seconds = prefill_seconds or t1 - t0
+            # 2. Verify: [t, d_1..d_k] gives p after t and after each draft.
+            verify_ids = torch.cat([t_tok, drafts])[None]
+            p = chooser.probs(sat_model.forward(verify_ids, cache=cache)[0])  # (k + 1, V)
+            accepted, bonus = chooser.accept(p, q, drafts)
+            # 3. Keep t and the accepted drafts in the cache; the bonus is the next pending token.
+            _rollback(cache, kv_before + n + 1 + accepted)
+            t2 = clock.now()
+            # 4. Emit t, accepted drafts, bonus, cut where vanilla decoding would stop.
+            draft_list = drafts.tolist()
+            emitted = [int(t_tok[0])] + draft_list[:accepted] + [bonus]
+            sources = ["verified"] + ["draft"] * accepted + ["bonus"]
+            probs = [float(t_prob[0])] + [float(p[i, draft_list[i]]) for i in range(accepted)] + [float(p[accepted, bonus])]
+            done = False
+            for count, token in enumerate(emitted, 1):
+                if stop.add(token):
+                    done = True
+                    emitted, sources, probs = emitted[:count], sources[:count], probs[:count]
+                    break
+            steps.append(StepRecord(
+                index=len(steps), kv_len_before=kv_before, k=k, drafts=draft_list,
+                draft_probs=q[torch.arange(k), drafts].tolist(), predictions=p.argmax(-1).tolist(),
+                accepted=accepted, tokens=emitted, sources=sources, probs=probs,
+                pass_seconds=[t1 - t0, t2 - t1], kv_len=cache.get_seq_length(), elapsed=t2 - clock.start))
+            yield steps[-1]
+            if done or (should_stop is not None and should_stop()):
+                break
+            # 5. Adapt k to recent acceptance (when asked), and continue from the bonus token.
+            k_policy.update(accepted, k)
+            pending = [bonus]
+    yield _result(config, config.k, prompt_ids, stop, steps, clock, prefill_seconds, tokenizer)
+
+
+class _KPolicy:
+    """k per iteration: fixed, or one more than the recent accepted length, bounded by the request's k."""
+
+    def __init__(self, k: int, adaptive: bool):
+        self.k_max, self.adaptive, self.k = k, adaptive, k
+        self.recent = float(k)  # exponential average of accepted drafts
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, accepted: int, k: int) -> None:
+        if not self.adaptive:
+            return
+        self.recent = 0.7 * self.recent + 0.3 * accepted
+        self.k = max(1, min(self.k_max, round(self.recent) + 2))
+
+
+def _result(config, k, prompt_ids, stop: StopChecker, steps, clock: _Clock, prefill_seconds, tokenizer) -> GenerationResult:
+    return GenerationResult(
+        method=config.method, k=k, prompt_ids=list(prompt_ids), token_ids=list(stop.tokens),
+        text=tokenizer.decode(stop.tokens, skip_special_tokens=True), seconds=clock.elapsed(),
+        prefill_seconds=prefill_seconds, stop_reason=stop.reason or "cancelled", steps=steps)
+
+
+def run(events: Iterator[Event]) -> GenerationResult:
+    """Drain a decoder and return its result."""
+    for event in events:
+        if isinstance(event, GenerationResult):
+            return event
+    raise RuntimeError("decoder ended without a result")

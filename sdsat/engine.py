@@ -1,0 +1,92 @@
+"""The engine: a loaded model, its tokenizer and its SATs, behind one call per request.
+
+The CLI, the app and the benchmark all go through `Engine`; it holds no per-request state, so one
+engine serves every visitor of the app.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .decoding import DecodeConfig, Event, GenerationResult, decode, run
+from .models import DEFAULT_MODEL, LoadConfig, load_model
+from .prompts import encode_prompt, eos_ids_of
+from .sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
+
+log = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_ADAPTER = ASSETS / "adapters" / DEFAULT_MODEL
+# An untrained adapter starts from this token's embedding: SmolLM2's unused `<empty_output>`.
+_INIT_TOKEN = "<empty_output>"
+
+
+@dataclass
+class SatSource:
+    """Where a model's SATs come from; at most one of the fields is set."""
+
+    sat_ids: list[int] | None = None  # the paper's kind: these vocabulary rows are the SATs
+    adapter: str | None = None  # a folder with a SAT adapter (adapter_config.json + weights)
+    max_k: int | None = None  # largest k; defaults to the spec's or adapter's own
+
+
+@dataclass
+class Engine:
+    model: object
+    tokenizer: object
+    sat_model: SatModel
+    name: str
+    sat_trained: bool = True  # False while the SATs are a fresh, untrained adapter
+    eos_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, load_config: LoadConfig | None = None, sats: SatSource | None = None) -> "Engine":
+        """Load a model and its SATs: explicit ids or adapter, else a sat_spec.json next to the
+        model, else the shipped default adapter, else a fresh untrained adapter."""
+        load_config = load_config or LoadConfig()
+        sats = sats or SatSource()
+        model, tokenizer = load_model(load_config)
+        spec, adapter, trained = _resolve_sats(model, tokenizer, load_config.model, sats)
+        sat_model = SatModel(model, spec, adapter)
+        return cls(model, tokenizer, sat_model, load_config.model, trained, eos_ids_of(model, tokenizer))
+
+    @property
+    def max_k(self) -> int:
+        return self.sat_model.max_k
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, chat=chat)
+
+    def stream(self, prompt_ids: list[int], config: DecodeConfig, should_stop=None) -> Iterator[Event]:
+        """Step records as they happen, then the result (see `decoding.decode`)."""
+        return decode(self.sat_model, self.tokenizer, prompt_ids, config, self.eos_ids, should_stop)
+
+    def generate(self, prompt: str, config: DecodeConfig, chat: bool = False) -> GenerationResult:
+        return run(self.stream(self.encode(prompt, chat), config))
+
+
+def _resolve_sats(model, tokenizer, model_name: str, sats: SatSource) -> tuple[SatSpec, SatAdapter | None, bool]:
+    if sats.sat_ids is not None:
+        return SatSpec(kind="vocab", sat_ids=list(sats.sat_ids), max_k=sats.max_k or 15), None, True
+    folder = sats.adapter
+    if folder is None and Path(model_name, SPEC_FILE).is_file():
+        spec = SatSpec.load(model_name)
+        if spec.kind == "vocab":
+            spec.max_k = sats.max_k or spec.max_k
+            return spec, None, True
+        folder = spec.adapter
+    if folder is None and model_name == DEFAULT_MODEL and (DEFAULT_ADAPTER / "adapter_config.json").is_file():
+        folder = str(DEFAULT_ADAPTER)
+    if folder is not None:
+        adapter = SatAdapter.load(folder)
+        k = min(sats.max_k or adapter.config.num_sats, adapter.config.num_sats)
+        return SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter, True
+    log.warning("no trained SATs for %s: using an untrained adapter (drafts will rarely be accepted)", model_name)
+    config = AdapterConfig(base_model=model_name, hidden_size=model.get_input_embeddings().weight.shape[1],
+                           num_layers=model.config.num_hidden_layers, num_sats=sats.max_k or 8)
+    init = tokenizer.convert_tokens_to_ids(_INIT_TOKEN) if _INIT_TOKEN in tokenizer.get_vocab() else None
+    adapter = SatAdapter.for_model(model, config, init_token_id=init)
+    return SatSpec(kind="adapter", max_k=config.num_sats), adapter, False

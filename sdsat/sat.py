@@ -1,0 +1,277 @@
+"""Semantic adaptive tokens (SATs): the spec, the lossless adapter, and the model wrapper.
+
+A SAT placed j positions after the last real token stands in for the token it cannot see and is
+asked to predict the token one further on (paper, section 3). Two kinds of SAT weights share one
+forward path:
+
+* ``vocab``: the paper's kind. The model itself was fine-tuned and each SAT is an ordinary row of
+  its vocabulary (the official CodeLlama-SDSAT checkpoints repeat id 32011).
+* ``adapter``: a frozen base model plus learned SAT input embeddings and low-rank updates that are
+  applied only at SAT positions. Standard tokens never attend to SATs, so every standard-token
+  computation is bit-identical to the base model.
+
+Files: ``sat_spec.json`` (the spec, next to a model or an adapter) and, for the adapter kind,
+``adapter_model.safetensors`` plus ``adapter_config.json``; loading is the exact inverse of saving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+SPEC_FILE = "sat_spec.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+# Which rows of the current forward pass are SATs: a (B, T, 1) float mask, or None when none are.
+# A ContextVar rather than an attribute on the model, so concurrent requests in different threads
+# never see each other's mask.
+_SAT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sat_rows", default=None)
+
+
+@dataclass
+class SatSpec:
+    """Which tokens are adaptive tokens and where their weights live."""
+
+    kind: str = "adapter"  # "vocab" (SAT ids are rows of the fine-tuned model) or "adapter"
+    sat_ids: list[int] = field(default_factory=list)  # vocab kind: id of SAT j (ids may repeat)
+    max_k: int = 8  # largest number of SATs (drafts) per step
+    adapter: str | None = None  # adapter kind: folder with adapter_config.json + weights
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("vocab", "adapter"):
+            raise ValueError(f"SAT spec kind must be 'vocab' or 'adapter', got {self.kind!r}")
+        if self.max_k < 1:
+            raise ValueError(f"SAT spec max_k must be at least 1, got {self.max_k}")
+        if self.kind == "vocab":
+            if not self.sat_ids:
+                raise ValueError("a 'vocab' SAT spec needs sat_ids (one or more token ids)")
+            # One id may serve every position, as in the official checkpoints: repeat it up to max_k.
+            if len(self.sat_ids) < self.max_k:
+                self.sat_ids = [self.sat_ids[i % len(self.sat_ids)] for i in range(self.max_k)]
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / SPEC_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "SatSpec":
+        path = Path(folder) / SPEC_FILE
+        data = json.loads(path.read_text())
+        spec = cls(**data)
+        if spec.adapter is not None and not Path(spec.adapter).is_absolute():
+            spec.adapter = str((path.parent / spec.adapter).resolve())
+        return spec
+
+
+@dataclass
+class AdapterConfig:
+    """Shape of a SAT adapter; saved as adapter_config.json."""
+
+    base_model: str  # name of the base model it was trained for (informational)
+    hidden_size: int  # must equal the base model's hidden size
+    num_layers: int  # must equal the base model's number of decoder layers
+    num_sats: int = 8  # number of distinct SAT embeddings (= largest k)
+    rank: int = 8  # LoRA rank of the SAT-only updates (0: embeddings only)
+    alpha: float = 16.0  # LoRA scale numerator; the update is scaled by alpha / rank
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
+    layers: list[int] | None = None  # decoder layers that get updates; None means all
+
+
+class SatAdapter(nn.Module):
+    """Learned SAT embeddings plus low-rank updates that only touch SAT rows.
+
+    The updates are forward hooks on the base model's linear layers: ``y = W x + m * (x A) B * s``
+    with ``m`` the SAT-row mask, so standard rows get ``W x + 0`` and stay bit-identical.
+    """
+
+    def __init__(self, config: AdapterConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = nn.Parameter(torch.zeros(config.num_sats, config.hidden_size))  # (K, H)
+        self.lora_a = nn.ParameterDict()  # "layer_module" -> (in, r)
+        self.lora_b = nn.ParameterDict()  # "layer_module" -> (r, out); zero-initialised
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def scale(self) -> float:
+        return self.config.alpha / max(self.config.rank, 1)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: AdapterConfig, init_token_id: int | None = None) -> "SatAdapter":
+        """A fresh adapter shaped for `model`; SAT embeddings start as one existing token's embedding."""
+        adapter = cls(config)
+        check_shapes(model, config)
+        emb = model.get_input_embeddings().weight
+        with torch.no_grad():
+            row = emb[init_token_id] if init_token_id is not None else emb.mean(0)
+            adapter.embeddings.copy_(row.float().expand_as(adapter.embeddings))
+        if config.rank > 0:
+            gen = torch.Generator().manual_seed(0)
+            for key, linear in _target_linears(model, config):
+                a = torch.randn(linear.in_features, config.rank, generator=gen) / math.sqrt(linear.in_features)
+                adapter.lora_a[key] = nn.Parameter(a)
+                adapter.lora_b[key] = nn.Parameter(torch.zeros(config.rank, linear.out_features))
+        return adapter
+
+    def attach(self, model: nn.Module) -> None:
+        """Register the SAT-row hooks on `model` and move the weights to its device and dtype."""
+        check_shapes(model, self.config)
+        self.detach()
+        param = next(model.parameters())
+        self.to(device=param.device, dtype=param.dtype)
+        for key, linear in _target_linears(model, self.config):
+            if key not in self.lora_a:
+                raise ValueError(f"SAT adapter has no weights for {key}; it was saved for another layout")
+            self._handles.append(linear.register_forward_hook(self._make_hook(key)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _make_hook(self, key: str):
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
+            rows = _SAT_ROWS.get()
+            if rows is None:
+                return None
+            x = inputs[0] * rows  # (B, T, in): standard rows zeroed
+            return output + (x @ self.lora_a[key]) @ self.lora_b[key] * self.scale
+
+        return hook
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {"embeddings": self.embeddings}
+        tensors.update({f"lora_a.{k}": v for k, v in self.lora_a.items()})
+        tensors.update({f"lora_b.{k}": v for k, v in self.lora_b.items()})
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS_FILE))
+        (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "SatAdapter":
+        folder = Path(folder)
+        config_path, weights_path = folder / ADAPTER_CONFIG_FILE, folder / ADAPTER_WEIGHTS_FILE
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise ValueError(f"SAT adapter file not found: {path}")
+        try:
+            config = AdapterConfig(**json.loads(config_path.read_text()))
+            tensors = load_file(str(weights_path))
+        except (json.JSONDecodeError, TypeError, SafetensorError, OSError) as err:
+            raise ValueError(f"SAT adapter in {folder} is unreadable ({err}); re-save or re-train it") from err
+        adapter = cls(config)
+        expected = (config.num_sats, config.hidden_size)
+        if "embeddings" not in tensors or tuple(tensors["embeddings"].shape) != expected:
+            raise ValueError(f"SAT adapter in {folder}: embeddings must have shape {expected}")
+        adapter.embeddings.data = tensors.pop("embeddings")
+        for name, tensor in tensors.items():
+            part, _, key = name.partition(".")
+            if part not in ("lora_a", "lora_b"):
+                raise ValueError(f"SAT adapter in {folder}: unexpected tensor {name}")
+            getattr(adapter, part)[key] = nn.Parameter(tensor)
+        return adapter
+
+
+def check_shapes(model: nn.Module, config: AdapterConfig) -> None:
+    """Refuse an adapter made for a model of another shape, naming the mismatch."""
+    hidden = model.get_input_embeddings().weight.shape[1]
+    layers = len(_decoder_layers(model))
+    if (hidden, layers) != (config.hidden_size, config.num_layers):
+        raise ValueError(
+            f"SAT adapter is for a model with hidden size {config.hidden_size} and {config.num_layers} layers "
+            f"(base model {config.base_model!r}), but this model has hidden size {hidden} and {layers} layers"
+        )
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return inner.layers
+
+
+def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[str, nn.Linear]]:
+    layers = _decoder_layers(model)
+    indices = range(len(layers)) if config.layers is None else config.layers
+    if config.rank == 0:
+        return
+    for i in indices:
+        for name, module in layers[i].named_modules():
+            if name.split(".")[-1] in config.target_modules and isinstance(module, nn.Linear):
+                yield f"{i}_{name.replace('.', '_')}", module
+
+
+@contextlib.contextmanager
+def sat_rows(mask: torch.Tensor | None) -> Iterator[None]:
+    """Mark which rows of the forward pass run inside this block are SATs."""
+    token = _SAT_ROWS.set(mask)
+    try:
+        yield
+    finally:
+        _SAT_ROWS.reset(token)
+
+
+class SatModel:
+    """A causal LM with its SATs: the one forward path the decoders and the trainer use."""
+
+    def __init__(self, model: nn.Module, spec: SatSpec, adapter: SatAdapter | None = None):
+        if spec.kind == "adapter" and adapter is None:
+            raise ValueError("an 'adapter' SAT spec needs a SatAdapter")
+        vocab = model.get_input_embeddings().weight.shape[0]
+        if spec.kind == "vocab":
+            bad = [i for i in spec.sat_ids if not 0 <= i < vocab]
+            if bad:
+                raise ValueError(f"SAT ids {bad} are outside the vocabulary (allowed 0..{vocab - 1})")
+        if adapter is not None:
+            spec.max_k = min(spec.max_k, adapter.config.num_sats)
+            adapter.attach(model)
+        self.model, self.spec, self.adapter = model, spec, adapter
+
+    @property
+    def max_k(self) -> int:
+        return self.spec.max_k
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sat_block(self, k: int) -> torch.Tensor:
+        """Slots 0..k-1: the `sat_slots` values of a run of k SATs, shape (k,)."""
+        if not 1 <= k <= self.max_k:
+            raise ValueError(f"k (number of adaptive tokens) must be between 1 and {self.max_k}, got {k}")
+        return torch.arange(k, device=self.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T); ignored where sat_slots >= 0
+        sat_slots: torch.Tensor | None = None,  # (B, T): -1 for standard tokens, j for the j-th SAT of a run
+        cache=None,
+        attention_mask: torch.Tensor | None = None,  # 2-D padding mask or a 4-D additive mask
+        position_ids: torch.Tensor | None = None,  # (B, T)
+    ) -> torch.Tensor:
+        """Logits (B, T, V) for a block that may contain SATs."""
+        kwargs = dict(past_key_values=cache, attention_mask=attention_mask, position_ids=position_ids, use_cache=cache is not None)
+        if sat_slots is None or not bool((sat_slots >= 0).any()):
+            return self.model(input_ids=input_ids, **kwargs).logits
+        is_sat = sat_slots >= 0
+        if self.spec.kind == "vocab":
+            ids = torch.as_tensor(self.spec.sat_ids, device=input_ids.device)
+            input_ids = torch.where(is_sat, ids[sat_slots.clamp(min=0)], input_ids)
+            return self.model(input_ids=input_ids, **kwargs).logits
+        embed = self.model.get_input_embeddings()(input_ids.masked_fill(is_sat, 0))  # (B, T, H)
+        sat_embed = self.adapter.embeddings[sat_slots.clamp(min=0)]  # (B, T, H)
+        embeds = torch.where(is_sat.unsqueeze(-1), sat_embed.to(embed.dtype), embed)
+        with sat_rows(is_sat.unsqueeze(-1).to(embed.dtype)):
+            return self.model(inputs_embeds=embeds, **kwargs).logits
