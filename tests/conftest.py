@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random Llama models built from a config, and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make_tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama small enough for hundreds of decodes per second on a CPU."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, eos_token_id=1, bos_token_id=0, pad_token_id=0,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """The embedded default model with its shipped SATs, loaded once per test session."""
+    from sdsat.engine import Engine
+
+    return Engine.load()
