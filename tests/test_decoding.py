@@ -1,0 +1,257 @@
+"""Greedy SDSAT against the trusted references, on tiny random Llama models.
+
+Greedy SDSAT must equal vanilla greedy decoding and `model.generate(do_sample=False)` token for
+token, for every k, with both kinds of SAT weights, whatever stops it (EOS, token budget, stop
+string, cancellation). The per-iteration records must add up and the cache must hold exactly the
+tokens accepted so far.
+
+A tiny random model drafts almost nothing right, which would leave the acceptance paths untested.
+So the model here has a favourite token: a constant feature in every embedding that the output
+layer reads as a vote for FAVOURITE. Its greedy output mixes runs of FAVOURITE (which SATs that
+look like FAVOURITE draft correctly) with other tokens (which they get wrong), so iterations
+accept none, some or all of their drafts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from sdsat.decoding import DecodeConfig, GenerationResult, StepRecord, decode, run
+from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+
+VOCAB = 64
+FAVOURITE = 7
+MAX_K = 8
+KINDS = ("adapter", "vocab")
+
+
+class PieceTokenizer:
+    """Token i decodes to a fixed piece of one to three letters, so stop strings can span tokens."""
+
+    pieces = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(VOCAB)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+TOKENIZER = PieceTokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models are dominated by thread hand-offs; on a shared 2-core machine one thread is ~50x faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def favourite_llama() -> torch.nn.Module:
+    model = make_tiny_llama(vocab_size=VOCAB, seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.05  # a feature every token carries...
+        model.lm_head.weight[FAVOURITE, 0] = 0.1  # ...read as a vote for FAVOURITE
+    model.generation_config.eos_token_id = None  # each test says which EOS ids it wants
+    return model
+
+
+def random_adapter(model: torch.nn.Module, noise: float, seed: int = 1) -> SatAdapter:
+    """An adapter with non-zero LoRA weights: SAT embeddings near FAVOURITE's, plus `noise`."""
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
+                           num_layers=model.config.num_hidden_layers, num_sats=MAX_K, rank=4)
+    adapter = SatAdapter.for_model(model, config, init_token_id=FAVOURITE)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        adapter.embeddings.add_(torch.randn(adapter.embeddings.shape, generator=gen) * noise)
+        for b in adapter.lora_b.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * noise)
+    return adapter
+
+
+def make_sat_model(kind: str) -> SatModel:
+    model = favourite_llama()
+    if kind == "adapter":
+        return SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), random_adapter(model, noise=0.003))
+    # The paper's kind: ordinary vocabulary rows serve as SATs (ids may repeat, as 32011 does).
+    return SatModel(model, SatSpec(kind="vocab", sat_ids=[FAVOURITE, 9, 3], max_k=MAX_K))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def sat_model(request) -> SatModel:
+    return make_sat_model(request.param)
+
+
+def random_prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 13))] for _ in range(count)]
+
+
+def greedy(method: str, k: int = 1, max_new_tokens: int = 24, stop_strings: tuple[str, ...] = ()) -> DecodeConfig:
+    return DecodeConfig(method=method, k=k, max_new_tokens=max_new_tokens, stop_strings=list(stop_strings))
+
+
+def generate_reference(model, prompt: list[int], max_new_tokens: int, eos: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos or None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def check_records(result: GenerationResult, prompt: list[int], sdsat: bool) -> None:
+    """The records add up, and after every iteration the cache holds exactly the accepted tokens."""
+    steps = result.steps
+    assert [t for s in steps for t in s.tokens] == result.token_ids
+    assert sum(len(s.tokens) for s in steps) == len(result.token_ids)
+    assert [s.index for s in steps] == list(range(len(steps)))
+    emitted = 0
+    for i, step in enumerate(steps):
+        last = i == len(steps) - 1
+        assert step.kv_len_before == (0 if i == 0 else len(prompt) + emitted - 1)
+        assert len(step.sources) == len(step.tokens) == len(step.probs) and step.tokens
+        if not sdsat:
+            assert (step.k, step.drafts, step.accepted, step.sources) == (0, [], 0, ["verified"])
+            assert step.forward_passes == 1
+            assert step.kv_len == len(prompt) + emitted  # everything but the token just chosen
+        else:
+            assert len(step.drafts) == len(step.draft_probs) == step.k
+            assert len(step.predictions) == step.k + 1
+            assert 0 <= step.accepted <= step.k
+            # Greedy verification: accepted drafts are the model's own choices, the first rejected is not.
+            assert step.drafts[:step.accepted] == step.predictions[:step.accepted]
+            if step.accepted < step.k:
+                assert step.drafts[step.accepted] != step.predictions[step.accepted]
+            full = ["verified"] + ["draft"] * step.accepted + ["bonus"]
+            # Only the last iteration may be cut short (by EOS, the token budget or a stop string).
+            assert step.sources == (full[:len(step.tokens)] if last else full)
+            assert step.tokens[1:1 + step.accepted] == step.drafts[:step.accepted][:len(step.tokens) - 1]
+            if len(step.tokens) == len(full):
+                assert step.tokens[-1] == step.predictions[step.accepted]  # the bonus
+            assert step.forward_passes == 2
+            # In the cache: prompt, earlier tokens, t and the accepted drafts; the bonus is pending.
+            assert step.kv_len == len(prompt) + emitted + 1 + step.accepted
+            if not last:
+                assert step.kv_len == len(prompt) + emitted + len(step.tokens) - 1
+        emitted += len(step.tokens)
+    assert result.forward_passes == (2 if sdsat else 1) * len(steps)
+    counts = Counter(src for s in steps for src in s.sources)
+    assert counts["verified"] == len(steps)
+    assert counts["verified"] + counts["draft"] + counts["bonus"] == len(result.token_ids)
+    assert counts["draft"] <= sum(s.accepted for s in steps)
+
+
+def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
+    model = sat_model.model
+    stats: Counter = Counter()
+    for n, prompt in enumerate(random_prompts(seed=0, count=8)):
+        budget = 12 + 5 * n % 17  # 12..28 new tokens, so the budget ends at many offsets
+        free = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), eos_ids=[]))
+        # An EOS the model really emits, so decoding has to stop on it.
+        eos = [free.token_ids[len(free.token_ids) // 2]]
+        for eos_ids in ([], eos):
+            reference = generate_reference(model, prompt, budget, eos_ids)
+            vanilla = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), eos_ids))
+            assert vanilla.token_ids == reference
+            assert vanilla.stop_reason == ("eos" if eos_ids else "max_new_tokens")
+            check_records(vanilla, prompt, sdsat=False)
+            for k in range(1, MAX_K + 1):
+                sdsat = run(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", k, budget), eos_ids))
+                assert sdsat.token_ids == reference, f"k={k} prompt={prompt} eos={eos_ids}"
+                assert (sdsat.text, sdsat.stop_reason) == (vanilla.text, vanilla.stop_reason)
+                check_records(sdsat, prompt, sdsat=True)
+                stats["accepted"] += sum(s.accepted for s in sdsat.steps)
+                stats["rejected"] += sum(len(s.rejected) for s in sdsat.steps)
+                last = sdsat.steps[-1]
+                if last.sources[-1] == "draft":  # decoding stopped on an accepted draft
+                    stats[f"stop on draft: {sdsat.stop_reason}"] += 1
+                    if len(last.tokens) - 1 < last.accepted:  # and later accepted drafts were dropped
+                        stats[f"drafts dropped: {sdsat.stop_reason}"] += 1
+    # The paths worth testing really ran: acceptance, rejection, and stops in the middle of a draft.
+    assert stats["accepted"] > 100 and stats["rejected"] > 100, stats
+    assert stats["stop on draft: eos"] > 0 and stats["stop on draft: max_new_tokens"] > 0, stats
+    assert stats["drafts dropped: eos"] > 0 and stats["drafts dropped: max_new_tokens"] > 0, stats
+
+
+def first_stop(tokens: list[int], stop: str) -> list[int]:
+    """The shortest prefix of `tokens` whose text contains `stop`: where vanilla must stop."""
+    for n in range(1, len(tokens) + 1):
+        if stop in TOKENIZER.decode(tokens[:n]):
+            return tokens[:n]
+    raise AssertionError(f"{stop!r} not in the output")
+
+
+def test_stop_string_cuts_where_vanilla_stops(sat_model: SatModel):
+    cuts = Counter()
+    for n, prompt in enumerate(random_prompts(seed=1, count=6)):
+        free = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=24), eos_ids=[])).token_ids
+        # A stop string spanning two tokens: the end of one piece and the start of the next.
+        j = 3 + n % 10
+        stop = TOKENIZER.pieces[free[j]][-1] + TOKENIZER.pieces[free[j + 1]][0]
+        expected = first_stop(free, stop)
+        for method, k in [("vanilla", 1)] + [("sdsat", k) for k in (1, 3, 5, 8)]:
+            result = run(decode(sat_model, TOKENIZER, prompt, greedy(method, k, 24, (stop,)), eos_ids=[]))
+            assert result.token_ids == expected, f"{method} k={k} stop={stop!r}"
+            assert result.stop_reason == "stop_string"
+            check_records(result, prompt, sdsat=method == "sdsat")
+            cuts[result.steps[-1].sources[-1]] += 1
+    assert cuts["draft"] > 0, cuts  # some stop string ended inside an accepted draft
+
+
+@pytest.mark.parametrize("method", ["vanilla", "sdsat"])
+def test_should_stop_cancels_between_iterations(sat_model: SatModel, method: str):
+    prompt = random_prompts(seed=2, count=1)[0]
+    full = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=40), eos_ids=[])).token_ids
+    calls = []
+
+    def should_stop() -> bool:
+        calls.append(1)
+        return len(calls) == 3
+
+    result = run(decode(sat_model, TOKENIZER, prompt, greedy(method, 4, 40), eos_ids=[], should_stop=should_stop))
+    assert result.stop_reason == "cancelled"
+    assert len(result.steps) == len(calls) == 3
+    assert 0 < len(result.token_ids) < len(full)
+    assert result.token_ids == full[:len(result.token_ids)]
+    check_records(result, prompt, sdsat=method == "sdsat")
+
+
+def test_stream_yields_each_record_then_the_result(sat_model: SatModel):
+    prompt = random_prompts(seed=3, count=1)[0]
+    events = list(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", 5, 20), eos_ids=[]))
+    *steps, result = events
+    assert all(isinstance(e, StepRecord) for e in steps) and isinstance(result, GenerationResult)
+    assert steps == result.steps
+    assert result.to_dict()["token_ids"] == result.token_ids
+
+
+def test_k_outside_the_spec_is_refused(sat_model: SatModel):
+    for k in (0, MAX_K + 1):
+        with pytest.raises(ValueError, match=f"between 1 and {MAX_K}"):
+            decode(sat_model, TOKENIZER, [5, 6], greedy("sdsat", k), eos_ids=[])
+
+
+def test_adapter_leaves_standard_tokens_bit_identical():
+    base = favourite_llama()
+    plain = torch.tensor([random_prompts(seed=4, count=1)[0] + [3, 4, 5]])  # (1, T)
+    k = 4
+    tail = torch.tensor([[11] * k])  # stands where the SATs will be; causal rows before it never see it
+    with torch.inference_mode():
+        want = base(input_ids=plain).logits
+        want_with_tail = base(input_ids=torch.cat([plain, tail], 1)).logits[:, :plain.shape[1]]
+    adapter = random_adapter(base, noise=0.5)  # large weights: any leak into standard rows would show
+    sat_model = SatModel(base, SatSpec(kind="adapter", max_k=MAX_K), adapter)
+    slots = torch.cat([torch.full(plain.shape, -1), sat_model.sat_block(k)[None]], 1)
+    with torch.inference_mode():
+        assert torch.equal(base(input_ids=plain).logits, want)
+        assert torch.equal(sat_model.forward(plain), want)
+        with_sats = sat_model.forward(torch.cat([plain, tail], 1), slots)
+    assert torch.equal(with_sats[:, :plain.shape[1]], want_with_tail)
+    # The SAT rows do differ from plain tokens: the adapter is really in play.
+    with torch.inference_mode():
+        assert not torch.allclose(with_sats[:, plain.shape[1]:], base(input_ids=torch.cat([plain, tail], 1)).logits[:, plain.shape[1]:])
+    adapter.detach()
+    with torch.inference_mode():
+        assert torch.equal(base(input_ids=plain).logits, want)
