@@ -216,7 +216,7 @@ def _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop) -> 
         while True:
             kv_before = cache.get_seq_length()
             t0 = clock.now()
-            logits = model(input_ids=torch.tensor([pending], device=device), past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=torch.tensor([pending], device=device), cache=cache, use_cache=True).logits
             tokens, probs = chooser.choose(logits[0, -1:])
             t1 = clock.now()
             prefill_seconds = prefill_seconds or t1 - t0

@@ -260,9 +260,11 @@ class SatModel:
         cache=None,
         attention_mask: torch.Tensor | None = None,  # 2-D padding mask or a 4-D additive mask
         position_ids: torch.Tensor | None = None,  # (B, T)
+        logits_to_keep: int | torch.Tensor = 0,  # 0: every position; a 1-D tensor: those positions only
     ) -> torch.Tensor:
-        """Logits (B, T, V) for a block that may contain SATs."""
-        kwargs = dict(past_key_values=cache, attention_mask=attention_mask, position_ids=position_ids, use_cache=cache is not None)
+        """Logits (B, T, V) for a block that may contain SATs (T' positions if `logits_to_keep` selects)."""
+        kwargs = dict(cache=cache, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=cache is not None, logits_to_keep=logits_to_keep)
         if sat_slots is None or not bool((sat_slots >= 0).any()):
             return self.model(input_ids=input_ids, **kwargs).logits
         is_sat = sat_slots >= 0

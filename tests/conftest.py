@@ -35,3 +35,13 @@ def default_engine():
     from sdsat.engine import Engine
 
     return Engine.load()
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer():
+    """The default model's tokenizer; tiny models use its first ids."""
+    from transformers import AutoTokenizer
+
+    from sdsat.models import default_model_folder
+
+    return AutoTokenizer.from_pretrained(default_model_folder())

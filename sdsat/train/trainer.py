@@ -1,0 +1,319 @@
+"""Teach a model its adaptive tokens.
+
+Two modes, one example builder and one loss:
+  * ``adapter`` (default): the base model is frozen; only the SAT embeddings and the SAT-only
+    low-rank updates train. Targets are the base model's own next-token choice at the standard
+    position each SAT stands for (distillation), since that is what verification accepts. Standard
+    tokens cannot change, so they run once without gradients and fill a KV cache; the SATs then run
+    against that cache with a 4-D mask, and backpropagation touches the SAT rows only.
+  * ``paper``: the model itself is fine-tuned (fully, or LoRA through peft) with the ordinary
+    next-token loss on standard tokens plus the SAT loss against the true tokens; SATs are a
+    vocabulary row. One forward pass over standard tokens and SATs with the 4-D mask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from ..models import DEFAULT_MODEL, LoadConfig, load_model
+from ..sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from .data import Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts, self_distill, stdlib_files
+from .examples import SatLayout, sample_layout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; `python -m sdsat.train` fills it from flags."""
+
+    mode: str = "adapter"  # "adapter" (frozen base, lossless) or "paper" (fine-tune the model)
+    model: str = DEFAULT_MODEL  # the embedded default, a hub id or a local folder
+    out: str = "runs/sat-smollm2"  # run folder: corpus, checkpoint, record, adapter
+    num_sats: int = 8  # SATs trained = largest k the decoder may use
+    rank: int = 8  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
+    alpha: float = 16.0  # adapter: LoRA scale numerator
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
+    layers: list[int] | None = None  # adapter: decoder layers with updates; None for all
+    sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
+    paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
+    target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
+    offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
+    steps: int = 600  # optimizer steps
+    batch_size: int = 4  # sequences per step
+    seq_len: int = 256  # standard tokens per sequence
+    runs_per_seq: int = 24  # SAT runs inserted per sequence
+    lr: float = 2e-3  # peak learning rate (cosine decay after warm-up)
+    warmup: int = 30  # warm-up steps
+    seed: int = 0  # seeds data, layouts and initialisation
+    code_files: int = 400  # standard-library files for the raw-code source
+    code_prompts: int = 256  # function signatures + docstrings for self-distillation
+    chat_prompts: int = 192  # chat instructions for self-distillation
+    distill_tokens: int = 160  # new tokens per self-distilled completion
+    distill_batch: int = 32  # completions generated at once
+    weights: dict[str, float] = field(default_factory=lambda: {"code": 0.2, "code_completions": 0.5, "chat_completions": 0.3})
+    held_out: int = 8  # sequences per source kept for evaluation
+    eval_every: int = 50  # steps between acceptance evaluations
+    checkpoint_every: int = 25  # steps between checkpoints
+
+    def validate(self) -> None:
+        if self.mode not in ("adapter", "paper"):
+            raise ValueError(f"mode must be 'adapter' or 'paper', got {self.mode!r}")
+        if self.target not in ("argmax", "distribution"):
+            raise ValueError(f"target must be 'argmax' or 'distribution', got {self.target!r}")
+        for name in ("num_sats", "steps", "batch_size", "runs_per_seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.seq_len < self.num_sats + 3:
+            raise ValueError(f"seq_len must be at least num_sats + 3 = {self.num_sats + 3}, got {self.seq_len}")
+
+
+# -- corpus -----------------------------------------------------------------------------------------
+
+def build_corpus(config: TrainConfig, model, tokenizer) -> Corpus:
+    """The three offline sources, as token ids (see data.py); cached in the run folder."""
+    path = Path(config.out) / "corpus.json"
+    if path.is_file():
+        return Corpus.load(path)
+    rng = random.Random(config.seed)
+    keep = HumanEvalFilter()
+    docs = code_documents(stdlib_files(config.code_files, rng), keep)
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    sources = {"code": [encode(d) for d in docs]}
+    prompts = function_prompts(docs, keep, config.code_prompts, rng)
+    sources["code_completions"] = self_distill(model, tokenizer, prompts, False, config.distill_tokens,
+                                               config.distill_batch, keep, "distilling code")
+    instructions = chat_instructions(config.chat_prompts, rng)
+    sources["chat_completions"] = self_distill(model, tokenizer, instructions, True, config.distill_tokens,
+                                               config.distill_batch, keep, "distilling chat")
+    corpus = Corpus(sources)
+    corpus.save(path)
+    return corpus
+
+
+# -- the SAT forward pass and loss ------------------------------------------------------------------
+
+def sat_logits(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, keep_standard: torch.Tensor | None,
+               frozen_base: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits at chosen standard positions (B, S, V) and at every SAT (B, M, V).
+
+    frozen_base: standard tokens run first without gradients into a cache, then the SATs run
+    against it (the adapter's cheap path). Otherwise one pass over both, with gradients everywhere.
+    """
+    b, n = ids.shape
+    device = ids.device
+    mask = layout.attention_mask().to(device)
+    positions = layout.position_ids.to(device).expand(b, -1)
+    slots = layout.sat_slots.to(device).expand(b, -1)
+    keep_standard = keep_standard if keep_standard is not None else torch.arange(n)
+    if frozen_base:
+        cache = DynamicCache(config=sat_model.model.config)
+        with torch.no_grad():
+            standard = sat_model.forward(ids, cache=cache, attention_mask=mask[..., :n, :n],
+                                         position_ids=positions[:, :n], logits_to_keep=keep_standard.to(device))
+        sats = sat_model.forward(torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device), slots[:, n:],
+                                 cache=cache, attention_mask=mask[..., n:, :], position_ids=positions[:, n:])
+        return standard, sats
+    full = torch.cat([ids, torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device)], 1)
+    keep = torch.cat([keep_standard, n + torch.arange(layout.num_sats)]).to(device)
+    logits = sat_model.forward(full, slots, attention_mask=mask, position_ids=positions, logits_to_keep=keep)
+    return logits[:, :len(keep_standard)], logits[:, len(keep_standard):]
+
+
+def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor, layout: SatLayout) -> tuple[torch.Tensor, list[float]]:
+    """Weighted SAT loss (plus the LM loss in paper mode) and the SAT loss per offset j."""
+    targets = layout.target_positions.to(ids.device)  # (M,) standard position p+1+j for each SAT
+    slot = layout.slot.to(ids.device)
+    if config.mode == "adapter":
+        teacher, student = sat_logits(sat_model, ids, layout, targets, frozen_base=True)
+        if config.target == "argmax":
+            per_sat = F.cross_entropy(student.transpose(1, 2), teacher.argmax(-1), reduction="none")  # (B, M)
+        else:
+            per_sat = -(teacher.float().softmax(-1) * student.float().log_softmax(-1)).sum(-1)
+        lm_loss = None
+    else:
+        standard, student = sat_logits(sat_model, ids, layout, None, frozen_base=False)
+        per_sat = F.cross_entropy(student.transpose(1, 2), ids[:, targets + 1], reduction="none")
+        lm_loss = F.cross_entropy(standard[:, :-1].transpose(1, 2), ids[:, 1:])
+    weights = config.offset_decay ** slot.float()
+    loss = (per_sat * weights).sum() / (weights.sum() * ids.shape[0])
+    if lm_loss is not None:
+        loss = loss + lm_loss
+    by_offset = [float(per_sat.detach()[:, slot == j].mean()) if bool((slot == j).any()) else math.nan for j in range(config.num_sats)]
+    return loss, by_offset
+
+
+@torch.no_grad()
+def draft_acceptance(sat_model: SatModel, windows: torch.Tensor, num_sats: int, stride: int = 4) -> list[float]:
+    """Teacher-forced acceptance per draft position on held-out windows.
+
+    A run of SATs after every `stride`-th position drafts; draft j counts as accepted when it and
+    every draft before it equal the model's own greedy choice, as greedy verification would decide.
+    """
+    n = windows.shape[1]
+    anchors = torch.arange(0, n - num_sats - 2, stride)
+    runs = len(anchors)
+    layout = SatLayout(n=n, anchor=anchors.repeat_interleave(num_sats), slot=torch.arange(num_sats).repeat(runs),
+                       run=torch.arange(runs).repeat_interleave(num_sats))
+    targets = layout.target_positions.to(windows.device)
+    teacher, student = sat_logits(sat_model, windows, layout, targets, frozen_base=True)
+    match = (teacher.argmax(-1) == student.argmax(-1)).view(windows.shape[0], runs, num_sats)
+    return match.int().cumprod(-1).float().mean((0, 1)).tolist()
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[torch.nn.Parameter]]:
+    """The SatModel to train and its trainable parameters."""
+    init_id = tokenizer.convert_tokens_to_ids(config.sat_token) if config.sat_token in tokenizer.get_vocab() else None
+    if config.mode == "adapter":
+        adapter_config = AdapterConfig(base_model=config.model, hidden_size=model.get_input_embeddings().weight.shape[1],
+                                       num_layers=model.config.num_hidden_layers, num_sats=config.num_sats, rank=config.rank,
+                                       alpha=config.alpha, target_modules=list(config.target_modules), layers=config.layers)
+        torch.manual_seed(config.seed)
+        adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
+        sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
+        params = list(adapter.parameters())
+    else:
+        if init_id is None:
+            raise ValueError(f"sat_token {config.sat_token!r} is not in the vocabulary; name an existing, unused token")
+        if config.paper_lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=config.paper_lora_rank, lora_alpha=2 * config.paper_lora_rank,
+                                                     target_modules=list(config.target_modules)))
+            model.get_input_embeddings().weight.requires_grad_(True)  # the SAT row must be able to move
+        else:
+            model.requires_grad_(True)
+        sat_model = SatModel(model, SatSpec(kind="vocab", sat_ids=[init_id], max_k=config.num_sats))
+        params = [p for p in model.parameters() if p.requires_grad]
+    return sat_model, params
+
+
+def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None = None, progress: bool = True) -> dict:
+    """Train (or resume) and return the training record; saves the adapter or model in `config.out`."""
+    config.validate()
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if model is None:
+        model, tokenizer = load_model(LoadConfig(model=config.model))
+    corpus = corpus or build_corpus(config, model, tokenizer)
+    train_corpus, held_out = corpus.split(config.held_out, random.Random(config.seed))
+    separator = model.generation_config.eos_token_id
+    separator = separator if isinstance(separator, int) else separator[0]
+    sampler = WindowSampler(train_corpus, config.weights, config.seq_len, separator, config.seed)
+    eval_windows = _eval_windows(held_out, config.seq_len)
+
+    sat_model, params = prepare(config, model, tokenizer)
+    sat_model.model.train(config.mode == "paper")
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    schedule = lambda step: min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    layouts = torch.Generator().manual_seed(config.seed + 1)
+    record = {"config": asdict(config), "steps": [], "evals": []}
+    start_step, wall_before = _resume(out, sat_model, params, optimizer, scheduler, sampler, layouts, record)
+
+    try:
+        _loop(config, out, sat_model, params, optimizer, scheduler, sampler, layouts, record, eval_windows, start_step,
+              wall_before, progress)
+        save_trained(sat_model, out / "sats", record)
+    finally:
+        if sat_model.adapter is not None:
+            sat_model.adapter.detach()  # leave the base model as it was given
+    return record
+
+
+def _loop(config, out, sat_model, params, optimizer, scheduler, sampler, layouts, record, eval_windows, start_step,
+          wall_before, progress) -> None:
+    started = time.perf_counter()
+    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, desc="training SATs", disable=not progress)
+    for step in bar:
+        ids = sampler.batch(config.batch_size).to(sat_model.device)
+        layout = sample_layout(config.seq_len, config.runs_per_seq, config.num_sats, layouts)
+        loss, by_offset = sat_loss(config, sat_model, ids, layout)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        wall = wall_before + time.perf_counter() - started
+        record["steps"].append({"step": step + 1, "loss": float(loss), "loss_by_offset": by_offset,
+                                "lr": scheduler.get_last_lr()[0], "tokens_seen": (step + 1) * config.batch_size * config.seq_len,
+                                "sats_seen": (step + 1) * config.batch_size * layout.num_sats, "wall_seconds": wall})
+        bar.set_postfix(loss=f"{float(loss):.3f}", d1=f"{by_offset[0]:.2f}")
+        last = step + 1 == config.steps
+        if (step + 1) % config.eval_every == 0 or last:
+            acceptance = {name: draft_acceptance(sat_model, w.to(sat_model.device), config.num_sats) for name, w in eval_windows.items()}
+            record["evals"].append({"step": step + 1, "acceptance_by_position": acceptance, "wall_seconds": wall})
+            bar.write(f"step {step + 1}: held-out acceptance by position " +
+                      "; ".join(f"{k}: " + " ".join(f"{a:.2f}" for a in v) for k, v in acceptance.items()))
+        if (step + 1) % config.checkpoint_every == 0 or last:
+            _checkpoint(out, sat_model, optimizer, scheduler, sampler, layouts, record, step + 1, wall)
+
+
+def save_trained(sat_model: SatModel, folder: Path, record: dict) -> None:
+    """The adapter (or the fine-tuned model) with its SAT spec and training record."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if sat_model.adapter is not None:
+        sat_model.adapter.save(folder)
+        SatSpec(kind="adapter", max_k=sat_model.max_k, adapter=".").save(folder)
+    else:
+        model = sat_model.model
+        model = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+        model.save_pretrained(folder)
+        SatSpec(kind="vocab", sat_ids=sat_model.spec.sat_ids, max_k=sat_model.max_k).save(folder)
+    (folder / "training_record.json").write_text(json.dumps(record) + "\n")
+
+
+def _eval_windows(held_out: Corpus, n: int) -> dict[str, torch.Tensor]:
+    windows = {}
+    for name, seqs in held_out.sources.items():
+        rows = [torch.tensor(s[:n]) for s in seqs if len(s) >= n]
+        if rows:
+            windows[name] = torch.stack(rows)
+    return windows
+
+
+def _checkpoint(out: Path, sat_model, optimizer, scheduler, sampler, layouts, record, step: int, wall: float) -> None:
+    trainable = {k: v for k, v in _trainable_state(sat_model).items()}
+    state = {"step": step, "wall_seconds": wall, "trainable": trainable, "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "sampler": sampler.state(), "layouts": layouts.get_state(), "record": record}
+    tmp = out / "checkpoint.pt.tmp"
+    torch.save(state, tmp)
+    tmp.replace(out / "checkpoint.pt")
+    (out / "training_record.json").write_text(json.dumps(record) + "\n")
+
+
+def _trainable_state(sat_model: SatModel) -> dict[str, torch.Tensor]:
+    module = sat_model.adapter if sat_model.adapter is not None else sat_model.model
+    return {k: v.detach().clone() for k, v in module.named_parameters() if v.requires_grad}
+
+
+def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts, record) -> tuple[int, float]:
+    path = out / "checkpoint.pt"
+    if not path.is_file():
+        return 0, 0.0
+    state = torch.load(path, weights_only=False)  # our own file, written by _checkpoint
+    module = sat_model.adapter if sat_model.adapter is not None else sat_model.model
+    named = dict(module.named_parameters())
+    with torch.no_grad():
+        for key, value in state["trainable"].items():
+            named[key].copy_(value)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.set_state(state["sampler"])
+    layouts.set_state(state["layouts"])
+    record.update(state["record"])
+    log.info("resumed from %s at step %d", path, state["step"])
+    return state["step"], state["wall_seconds"]

@@ -1,0 +1,158 @@
+"""Training the SATs: the mask and positions, learning on a predictable language, and the adapter files."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_tiny_llama
+
+from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from sdsat.train.data import Corpus, HumanEvalFilter
+from sdsat.train.examples import SatLayout, sample_layout
+from sdsat.train.trainer import TrainConfig, draft_acceptance, prepare, sat_logits, train
+
+VOCAB = 24
+
+
+def random_adapter_model(model, num_sats: int = 4, seed: int = 0) -> SatModel:
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
+                           num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4)
+    adapter = SatAdapter.for_model(model, config, init_token_id=3)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in list(adapter.lora_b.values()) + [adapter.embeddings]:
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return SatModel(model, SatSpec(kind="adapter", max_k=num_sats), adapter)
+
+
+def test_layout_mask_lets_each_sat_see_its_prefix_and_earlier_sats_of_its_run():
+    layout = sample_layout(12, runs=3, run_length=3, generator=torch.Generator().manual_seed(1))
+    allow = layout.attention_mask()[0, 0]
+    n = layout.n
+    assert torch.equal(allow[:n, :n], torch.tril(torch.ones(n, n, dtype=torch.bool)))
+    assert not allow[:n, n:].any(), "a standard token must never see a SAT"
+    for row in range(layout.num_sats):
+        p, j, r = int(layout.anchor[row]), int(layout.slot[row]), int(layout.run[row])
+        assert allow[n + row, :n].nonzero().flatten().tolist() == list(range(p + 1))
+        own = [n + i for i in range(layout.num_sats) if layout.run[i] == r and layout.slot[i] <= j]
+        assert allow[n + row, n:].nonzero().flatten().add(n).tolist() == own
+        assert int(layout.position_ids[0, n + row]) == p + 1 + j
+        assert int(layout.target_positions[row]) == p + 1 + j and p + j + 2 <= n - 1
+
+
+def test_standard_logits_are_unchanged_by_inserted_sat_runs():
+    model = make_tiny_llama(vocab_size=64)
+    sat_model = random_adapter_model(model)
+    ids = torch.randint(2, 64, (2, 30), generator=torch.Generator().manual_seed(0))
+    layout = sample_layout(30, runs=6, run_length=4, generator=torch.Generator().manual_seed(2))
+    plain = model(input_ids=ids).logits
+    with torch.no_grad():
+        one_pass, sats_one = sat_logits(sat_model, ids, layout, None, frozen_base=False)
+        cached, sats_cached = sat_logits(sat_model, ids, layout, torch.arange(30), frozen_base=True)
+    assert (one_pass - plain).abs().max() < 1e-5
+    assert torch.equal(cached, plain), "adapter mode: standard tokens bit-identical to the base model"
+    assert (sats_one - sats_cached).abs().max() < 1e-5
+
+
+def test_sat_logits_in_training_equal_the_decoders_draft_step():
+    """The SAT j the trainer scores is the SAT j the decoder drafts with."""
+    model = make_tiny_llama(vocab_size=64)
+    sat_model = random_adapter_model(model, num_sats=4)
+    ids = torch.randint(2, 64, (1, 16), generator=torch.Generator().manual_seed(3))
+    p = 9
+    layout = SatLayout(n=16, anchor=torch.full((4,), p), slot=torch.arange(4), run=torch.zeros(4, dtype=torch.long))
+    with torch.no_grad():
+        _, trained = sat_logits(sat_model, ids, layout, None, frozen_base=True)
+        block = torch.cat([ids[:, :p + 1], torch.zeros(1, 4, dtype=torch.long)], 1)
+        slots = torch.cat([torch.full((p + 1,), -1), torch.arange(4)])[None]
+        decoded = sat_model.forward(block, slots)[:, p + 1:]
+    assert (trained - decoded).abs().max() < 1e-5
+
+
+def counting_corpus(n_seqs: int, length: int, seed: int) -> Corpus:
+    """Sequences x_{i+1} = x_i + s (mod V-2, shifted past the special ids) with a per-sequence step s."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(n_seqs):
+        start, step = int(torch.randint(0, VOCAB - 2, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+        seqs.append([2 + (start + step * i) % (VOCAB - 2) for i in range(length)])
+    return Corpus({"counting": seqs})
+
+
+def test_training_takes_draft_acceptance_from_near_zero_to_high(tmp_path, real_tokenizer):
+    """Paper mode on a tiny model: after a few hundred CPU steps the SATs draft counting sequences,
+    and SDSAT greedy then needs clearly fewer forward passes per token. Off-by-one labels or a mask
+    that leaked the future would leave acceptance low at decoding time."""
+    torch.manual_seed(0)
+    model = make_tiny_llama(vocab_size=VOCAB, hidden_size=64)
+    corpus = counting_corpus(64, 48, seed=0)
+    config = TrainConfig(mode="paper", model="tiny", out=str(tmp_path / "run"), num_sats=4, sat_token="<file_sep>",
+                         steps=300, batch_size=8, seq_len=32, runs_per_seq=8, lr=3e-3, warmup=20,
+                         weights={"counting": 1.0}, held_out=4, eval_every=300, checkpoint_every=300)
+    eval_windows = torch.tensor([s[:32] for s in counting_corpus(8, 48, seed=99).sources["counting"]])
+
+    sat_model, _ = prepare(config, model, real_tokenizer)
+    before = draft_acceptance(sat_model, eval_windows, 4)
+    record = train(config, model=model, tokenizer=real_tokenizer, corpus=corpus, progress=False)
+    assert record["steps"][-1]["loss"] < record["steps"][0]["loss"]
+
+    trained = SatModel(model, SatSpec.load(tmp_path / "run" / "sats"))
+    after = draft_acceptance(trained, eval_windows, 4)
+    assert before[0] < 0.3 and after[0] > 0.8 and after[-1] > 0.8, (before, after)
+
+    prompt = [2 + (5 + 2 * i) % (VOCAB - 2) for i in range(6)]
+    config_dec = DecodeConfig(method="sdsat", k=4, max_new_tokens=40)
+    sdsat = run(decode(trained, real_tokenizer, prompt, config_dec, eos_ids=[1]))
+    vanilla = run(decode(trained, real_tokenizer, prompt, DecodeConfig(method="vanilla", max_new_tokens=40), eos_ids=[1]))
+    assert sdsat.token_ids == vanilla.token_ids
+    assert sdsat.tokens_per_forward_pass > 2.0, sdsat.summary()
+
+
+def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
+    """Adapter mode distils a frozen base: acceptance rises, and a resumed run continues where it stopped."""
+    torch.manual_seed(0)
+    base = make_tiny_llama(vocab_size=VOCAB, hidden_size=64)
+    corpus = counting_corpus(64, 48, seed=0)
+    # The base must itself be predictable for its SATs to be: teach it the language first.
+    base_config = TrainConfig(mode="paper", model="tiny", out=str(tmp_path / "base"), num_sats=1, sat_token="<file_sep>",
+                              steps=200, batch_size=8, seq_len=32, runs_per_seq=1, lr=3e-3, warmup=10,
+                              weights={"counting": 1.0}, held_out=4, eval_every=200, checkpoint_every=200)
+    train(base_config, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
+    base.requires_grad_(False).eval()
+    frozen = {k: v.clone() for k, v in base.state_dict().items()}
+
+    config = TrainConfig(mode="adapter", model="tiny", out=str(tmp_path / "adapter"), num_sats=3, rank=4, sat_token="<file_sep>",
+                         steps=160, batch_size=8, seq_len=32, runs_per_seq=8, lr=1e-2, warmup=10,
+                         weights={"counting": 1.0}, held_out=4, eval_every=80, checkpoint_every=80)
+    half = TrainConfig(**{**config.__dict__, "steps": 160})
+    record = train(half, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
+    acceptance = record["evals"][-1]["acceptance_by_position"]["counting"]
+    assert acceptance[0] > 0.8, acceptance
+    assert all(torch.equal(v, frozen[k]) for k, v in base.state_dict().items()), "adapter mode must not touch the base"
+
+    # Resume: a longer run picks up the checkpoint at step 160 rather than starting again.
+    longer = TrainConfig(**{**config.__dict__, "steps": 200})
+    resumed = train(longer, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
+    assert resumed["steps"][0]["step"] == 1 and len(resumed["steps"]) == 200
+    assert resumed["steps"][159]["loss"] == record["steps"][159]["loss"]
+
+
+def test_adapter_save_load_round_trip_drafts_exactly_as_before(tmp_path):
+    model = make_tiny_llama(vocab_size=64)
+    sat_model = random_adapter_model(model, num_sats=4)
+    prompt = torch.randint(2, 64, (1, 8), generator=torch.Generator().manual_seed(4))
+    slots = torch.cat([torch.full((8,), -1), torch.arange(4)])[None]
+    block = torch.cat([prompt, torch.zeros(1, 4, dtype=torch.long)], 1)
+    before = sat_model.forward(block, slots)
+    sat_model.adapter.save(tmp_path)
+    sat_model.adapter.detach()
+
+    loaded = SatModel(model, SatSpec(kind="adapter", max_k=4), SatAdapter.load(tmp_path))
+    assert torch.equal(loaded.forward(block, slots), before)
+
+
+def test_humaneval_filter_catches_problems_and_passes_ordinary_code():
+    keep = HumanEvalFilter()
+    assert len(keep.entry_points) == 164
+    assert keep("def has_close_elements(numbers, threshold):\n    pass\n")
+    assert not keep("def parse_header(line):\n    return line.split(':', 1)\n")
