@@ -1,0 +1,167 @@
+"""SDSAT sampling is lossless: its output has exactly the distribution of vanilla sampling.
+
+On a tiny vocabulary the joint distribution of the first three new tokens can be computed exactly
+from the model's probabilities (with transformers' own temperature / top-k / top-p warpers). Seeded
+samples of SDSAT and of vanilla sampling are compared with it, and with each other, by chi-square
+tests. The SAT adapter drafts from distributions q far enough from the model's p that drafts are
+both accepted and rejected, so a wrong residual (resampling from p instead of max(0, p - q))
+shifts the distribution by far more than these tests tolerate.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from conftest import make_tiny_llama
+from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.sampling import SamplingConfig, TokenChooser
+from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+
+VOCAB = 8
+NEW_TOKENS = 3
+PROMPT = [2, 5, 3]
+SAMPLES = 1200  # per setting; a wrong residual gives p-values below 1e-9 at this size
+ALPHA = 1e-3  # the samples are seeded, so each test is deterministic; this is its false-alarm rate
+
+SETTINGS = {
+    # name: (k, sampling settings); k = 1 reaches the bonus token within three tokens, k = 2 a second draft
+    "t0.7-k1": (1, dict(temperature=0.7)),
+    "t1.3-topp0.9-topk5-k2": (2, dict(temperature=1.3, top_p=0.9, top_k=5)),
+}
+
+
+class SilentTokenizer:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models are dominated by thread hand-offs; on a shared 2-core machine one thread is far faster.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def sat_model() -> SatModel:
+    model = make_tiny_llama(vocab_size=VOCAB, layers=1, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # from near-uniform to a few likely tokens per position
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size, num_layers=1, num_sats=4, rank=4)
+    adapter = SatAdapter.for_model(model, config, init_token_id=3)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # drafts that are often, but far from always, what the model would sample
+        adapter.embeddings.add_(torch.randn(adapter.embeddings.shape, generator=gen) * 0.02)
+        for b in adapter.lora_b.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.02)
+    return SatModel(model, SatSpec(kind="adapter", max_k=4), adapter)
+
+
+def warpers(settings: dict) -> LogitsProcessorList:
+    out = LogitsProcessorList([TemperatureLogitsWarper(settings["temperature"])])
+    if settings.get("top_k"):
+        out.append(TopKLogitsWarper(settings["top_k"]))
+    if settings.get("top_p", 1.0) < 1.0:
+        out.append(TopPLogitsWarper(settings["top_p"]))
+    return out
+
+
+def exact_joint(model, settings: dict) -> np.ndarray:
+    """P(x1, x2, x3) of vanilla sampling, shape (V, V, V), from one batched forward pass."""
+    n, v = len(PROMPT), VOCAB
+    x1, x2 = torch.meshgrid(torch.arange(v), torch.arange(v), indexing="ij")
+    seqs = torch.cat([torch.tensor(PROMPT).expand(v * v, n), x1.reshape(-1, 1), x2.reshape(-1, 1)], 1)  # (V*V, n+2)
+    with torch.inference_mode():
+        logits = model(input_ids=seqs).logits.float()  # (V*V, n+2, V)
+    warp = warpers(settings)
+
+    def probs(rows: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(warp(None, rows), -1)
+
+    p1 = probs(logits[:1, n - 1])[0]  # (V,): after the prompt
+    p2 = probs(logits[::v, n])  # (V, V): row x1
+    p3 = probs(logits[:, n + 1]).reshape(v, v, v)  # (V, V, V): row (x1, x2)
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    return joint.double().numpy()
+
+
+def draw(sat_model: SatModel, method: str, k: int, settings: dict, seeds: range) -> tuple[Counter, Counter]:
+    """Counts of the first NEW_TOKENS tokens over seeded runs, and counts of verification outcomes."""
+    samples, sources = Counter(), Counter()
+    for seed in seeds:
+        config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS,
+                              sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
+        result = run(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+        assert len(result.token_ids) == NEW_TOKENS
+        samples[tuple(result.token_ids)] += 1
+        for step in result.steps:
+            sources["accepted"] += step.accepted
+            sources["rejection"] += step.accepted < step.k
+            sources["bonus"] += step.accepted == step.k
+    return samples, sources
+
+
+def goodness_of_fit(samples: Counter, joint: np.ndarray) -> float:
+    """Chi-square p-value of the samples against the exact distribution; rare cells are pooled."""
+    total = sum(samples.values())
+    expected = joint.reshape(-1) * total
+    observed = np.zeros_like(expected)
+    for tokens, count in samples.items():
+        observed[np.ravel_multi_index(tokens, joint.shape)] = count
+    assert observed[expected == 0].sum() == 0, "sampled a sequence the warpers rule out"
+    rare = expected < 5
+    obs = np.append(observed[~rare], observed[rare].sum())
+    exp = np.append(expected[~rare], expected[rare].sum())
+    exp *= obs.sum() / exp.sum()  # exact up to float rounding
+    return stats.chisquare(obs, exp).pvalue
+
+
+def homogeneity(a: Counter, b: Counter) -> float:
+    """Chi-square p-value that two sample sets share one distribution; rare outcomes are pooled."""
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a[key] for key in keys], [b[key] for key in keys]], dtype=float)
+    rare = table.sum(0) < 10
+    table = np.column_stack([table[:, ~rare], table[:, rare].sum(1)])
+    return stats.chi2_contingency(table[:, table.sum(0) > 0]).pvalue
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_sdsat_sampling_matches_vanilla_and_the_exact_distribution(sat_model: SatModel, name: str):
+    k, settings = SETTINGS[name]
+    joint = exact_joint(sat_model.model, settings)
+    sdsat, sources = draw(sat_model, "sdsat", k, settings, range(SAMPLES))
+    vanilla, _ = draw(sat_model, "vanilla", k, settings, range(SAMPLES, SAMPLES + SAMPLES // 2))
+    # Both verification outcomes really happened, often: otherwise this would test plain sampling.
+    assert sources["accepted"] > SAMPLES // 5 and sources["rejection"] > SAMPLES // 5, sources
+    assert sources["bonus"] > SAMPLES // 10, sources  # every draft accepted: the bonus comes from p
+    assert goodness_of_fit(sdsat, joint) > ALPHA
+    assert goodness_of_fit(vanilla, joint) > ALPHA
+    assert homogeneity(sdsat, vanilla) > ALPHA
+
+
+def test_accept_keeps_the_first_token_distributed_as_p():
+    """The verification step alone, on fixed p and q: the token after t follows p exactly."""
+    gen = torch.Generator().manual_seed(0)
+    k, v, draws = 2, 6, 20000
+    logits = torch.randn(k + 1, v, generator=gen) * 2
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(logits[:k] + torch.randn(k, v, generator=gen) * 2, -1)  # related to p, not equal
+    chooser = TokenChooser(SamplingConfig(do_sample=True, seed=0), torch.device("cpu"))
+    drafts = torch.multinomial(q, draws, replacement=True, generator=gen).T  # (draws, k), row i from q
+    counts = np.zeros(v)
+    accepted = 0
+    for row in drafts:
+        n, next_token = chooser.accept(p, q, row)
+        counts[int(row[0]) if n > 0 else next_token] += 1
+        accepted += n > 0
+    assert 0.2 < accepted / draws < 0.8
+    expected = p[0].double().numpy()
+    assert stats.chisquare(counts, expected / expected.sum() * draws).pvalue > ALPHA
