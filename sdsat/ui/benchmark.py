@@ -1,0 +1,94 @@
+"""The Benchmark tab: the project's own results, read from files in assets/bench/ (never recomputed here).
+
+What it reads: `summary.json` (a list of result rows, or an object with a "rows" / "results" list;
+other top-level scalars and small objects are shown as notes), every `*.png` as an image, and every
+plotly figure saved as `*.json` (an object with "data" and "layout") as an interactive plot. Other
+files, such as standalone HTML figures, are offered for download.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .render import esc
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "assets" / "bench"
+SUMMARY = "summary.json"
+_MAX_FIGURE_BYTES = 5_000_000
+
+
+@dataclass
+class BenchView:
+    html: str  # the summary table and notes, or the 'no results yet' message
+    images: list[str] = field(default_factory=list)  # PNG paths
+    figures: list = field(default_factory=list)  # plotly figures
+    downloads: list[str] = field(default_factory=list)  # other result files
+
+
+def _rows_of(summary) -> tuple[list[dict], dict]:
+    if isinstance(summary, list):
+        return [r for r in summary if isinstance(r, dict)], {}
+    if isinstance(summary, dict):
+        for key in ("rows", "results", "runs"):
+            if isinstance(summary.get(key), list):
+                notes = {k: v for k, v in summary.items() if k != key}
+                return [r for r in summary[key] if isinstance(r, dict)], notes
+        return [], summary
+    return [], {}
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(value)
+        return esc(text if len(text) < 80 else text[:77] + "…")
+    return esc(str(value))
+
+
+def table_html(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    head = "".join(f"<th>{esc(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
+    return f'<div class="bench-scroll"><table class="bench-table"><tr>{head}</tr>{body}</table></div>'
+
+
+def load_bench(folder: Path = BENCH_DIR) -> BenchView:
+    summary_path = folder / SUMMARY
+    if not summary_path.is_file():
+        return BenchView('<div class="check info">No benchmark results yet. They appear here once the project\'s '
+                         'benchmark has written <code>assets/bench/summary.json</code> and its figures.</div>')
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return BenchView(f'<div class="check bad">assets/bench/summary.json is unreadable: {esc(str(err))}</div>')
+    rows, notes = _rows_of(summary)
+    parts = [table_html(rows)] if rows else []
+    if notes:
+        items = "".join(f"<li><b>{esc(str(k))}</b>: {_cell(v)}</li>" for k, v in notes.items())
+        parts.append(f'<ul class="bench-notes">{items}</ul>')
+    view = BenchView("".join(parts) or '<div class="check info">summary.json holds no rows.</div>')
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".png":
+            view.images.append(str(path))
+        elif path.suffix == ".json" and path.name != SUMMARY and path.stat().st_size < _MAX_FIGURE_BYTES:
+            figure = _plotly_figure(path)
+            if figure is not None:
+                view.figures.append(figure)
+        elif path.suffix in (".html", ".csv", ".jsonl"):
+            view.downloads.append(str(path))
+    return view
+
+
+def _plotly_figure(path: Path):
+    import plotly.io as pio
+
+    try:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "data" in data and "layout" in data:
+            return pio.from_json(json.dumps(data))
+    except (OSError, ValueError):
+        pass
+    return None

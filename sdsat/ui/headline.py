@@ -1,0 +1,67 @@
+"""The numbers above the race: tokens/s, speed-up, tokens per iteration and per pass, the lossless check."""
+
+from __future__ import annotations
+
+from .race import RaceRecord, RaceSnapshot
+from .render import esc
+
+
+def _card(value: str, label: str, note: str = "", cls: str = "") -> str:
+    note = f'<div class="note">{note}</div>' if note else ""
+    return f'<div class="card {cls}"><div class="value">{value}</div><div class="label">{label}</div>{note}</div>'
+
+
+def sat_badge(trained: bool) -> str:
+    if trained:
+        return '<span class="badge ok">SAT adapter: trained</span>'
+    return ('<span class="badge warn" title="Until the trained adapter is installed, drafts are rarely accepted, so '
+            'SDSAT cannot beat vanilla by much. Outputs are still identical.">SAT adapter: untrained (low acceptance expected)</span>')
+
+
+def check_html(record: RaceRecord) -> str:
+    """The lossless check for greedy runs; sampling runs say why their texts differ."""
+    if not record.greedy:
+        return ('<div class="check info">Sampling: the two texts differ by design. Both sample from the same '
+                'distribution — SDSAT verifies drafts with speculative sampling (accept with min(1, p/q)), which '
+                'provably leaves the output distribution unchanged.</div>')
+    same, n = record.identical()
+    partial = "" if len(record.vanilla.token_ids) == len(record.sdsat.token_ids) else \
+        f" (one decoder hit the time limit, so the first {n} tokens were compared)"
+    if same:
+        return (f'<div class="check ok">✓ Identical output: checked — all {n} token ids of SDSAT equal vanilla '
+                f'greedy decoding{partial}. SDSAT is lossless.</div>')
+    a, b = record.vanilla.token_ids, record.sdsat.token_ids
+    first = next((i for i in range(n) if a[i] != b[i]), n)
+    return (f'<div class="check bad">✗ Outputs differ at token {first + 1} of {n}. In float32 on a CPU this should '
+            'not happen; in float16 / bfloat16 near-ties can flip between a one-token and a multi-token pass.</div>')
+
+
+def headline_html(record: RaceRecord) -> str:
+    v, s = record.vanilla, record.sdsat
+    speed = record.speedup
+    cards = "".join([
+        _card(f"{v.tokens_per_second:.1f}", "vanilla tokens / s", f"{len(v.token_ids)} tokens in {v.seconds:.2f} s"),
+        _card(f"{s.tokens_per_second:.1f}", "SDSAT tokens / s", f"{len(s.token_ids)} tokens in {s.seconds:.2f} s"),
+        _card(f"{speed:.2f}×", "speed-up", "SDSAT tokens/s ÷ vanilla tokens/s", "accent" if speed >= 1 else ""),
+        _card(f"{s.mean_tokens_per_iteration:.2f}", "tokens per iteration",
+              f"t + accepted drafts + bonus (bonus counted); {s.mean_accepted_drafts:.2f} drafts accepted of k = {s.k}"),
+        _card(f"{1 / v.tokens_per_forward_pass:.2f} → {1 / s.tokens_per_forward_pass:.2f}", "forward passes per token",
+              f"vanilla → SDSAT ({v.forward_passes} → {s.forward_passes} passes)"),
+    ])
+    limited = ('<div class="check info">A decoder reached the per-request time limit and was stopped early.</div>'
+               if record.time_limited else "")
+    meta = (f'<div class="meta">{sat_badge(record.sat_trained)} <span>{esc(record.model)}</span> · '
+            f'<span>{esc(record.hardware)}</span> · <span>decoded one after the other (vanilla, then SDSAT), never at the same time</span></div>')
+    return f'<div class="headline"><div class="cards">{cards}</div>{check_html(record)}{limited}{meta}</div>'
+
+
+def progress_html(snap: RaceSnapshot | None, message: str = "") -> str:
+    """Status while a race runs."""
+    if snap is None:
+        return f'<div class="headline running"><div class="status">{esc(message)}</div></div>'
+    done = {m: sum(len(st.tokens) for st in snap.steps[m]) for m in snap.steps}
+    if snap.phase == "vanilla":
+        text = f"Running vanilla decoding… {done['vanilla']} tokens. SDSAT runs next, on its own, so the two never share the CPU."
+    else:
+        text = f"Vanilla finished ({done['vanilla']} tokens). Running SDSAT… {done['sdsat']} tokens."
+    return f'<div class="headline running"><div class="status"><span class="spinner"></span>{esc(text)}</div></div>'

@@ -1,0 +1,176 @@
+"""The race: vanilla decoding, then SDSAT, on the same prompt, streamed as snapshots.
+
+The two decoders run one after the other, never at once: on a 2-core machine they would compete
+for the CPU and both timings would be wrong. Each decoder runs in a worker thread that only
+decodes, so the page's rendering between updates never lands inside the decoder's clock; the
+caller gets a `RaceSnapshot` at most every `every` seconds. Closing the generator (Gradio does
+this on Stop or when the visitor leaves) cancels the decoder between two iterations.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from ..decoding import GenerationResult, StepRecord
+from ..engine import Engine
+from .render import PieceDecoder, pieces_of
+from .settings import RunRequest
+
+PHASES = ("vanilla", "sdsat")
+_DONE = object()
+
+
+@dataclass
+class RaceSnapshot:
+    """What has happened so far; `phase` is the decoder running now, or "done"."""
+
+    phase: str
+    steps: dict[str, list[StepRecord]]  # per method, the iterations so far
+    pieces: dict[str, list[str]]  # per method, the text of each emitted token
+    results: dict[str, GenerationResult] = field(default_factory=dict)  # per finished method
+
+
+@dataclass
+class RaceRecord:
+    """A finished race: everything the page shows about it, kept per visitor in gr.State."""
+
+    model: str
+    sat_trained: bool
+    settings: dict
+    prompt_ids: list[int]
+    vanilla: GenerationResult
+    sdsat: GenerationResult
+    pieces: dict[str, list[str]]  # per method, the text of each emitted token
+    vocab: dict[int, str]  # text of single token ids (drafts, predictions, context) for the explorer
+    special_ids: set[int]
+    hardware: str
+    time_limited: bool  # a decoder hit the per-request wall-time limit
+
+    @property
+    def greedy(self) -> bool:
+        return self.settings.get("mode") == "greedy"
+
+    def identical(self) -> tuple[bool, int]:
+        """(equal token ids over the compared length, compared length). When one decoder was stopped
+        early (time limit or Stop), the shorter output is compared with the start of the other."""
+        a, b = self.vanilla.token_ids, self.sdsat.token_ids
+        n = min(len(a), len(b))
+        same = a[:n] == b[:n] and (len(a) == len(b) or self.vanilla.stop_reason == "cancelled"
+                                   or self.sdsat.stop_reason == "cancelled")
+        return same, n
+
+    @property
+    def speedup(self) -> float:
+        return self.sdsat.tokens_per_second / self.vanilla.tokens_per_second
+
+    def to_dict(self) -> dict:
+        """Plain data for the API: texts, token ids and the metrics of both decoders."""
+        same, compared = self.identical()
+        return {
+            "model": self.model, "sat_trained": self.sat_trained, "settings": self.settings,
+            "hardware": self.hardware, "sequential": True, "time_limited": self.time_limited,
+            "vanilla": self.vanilla.summary() | {"text": self.vanilla.text, "token_ids": self.vanilla.token_ids},
+            "sdsat": self.sdsat.summary() | {"text": self.sdsat.text, "token_ids": self.sdsat.token_ids},
+            "speedup": self.speedup,
+            "identical": (same if self.greedy else None), "compared_tokens": compared,
+        }
+
+
+def hardware_line(engine: Engine) -> str:
+    import os
+
+    import torch
+
+    device = engine.sat_model.device
+    dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return f"{where} · {dtype}"
+
+
+def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_s: float,
+         cancel: threading.Event | None = None, every: float = 0.3) -> Iterator[RaceSnapshot]:
+    """Run vanilla, then SDSAT; yield snapshots, the last one with phase "done" and both results.
+
+    Each decoder may use `time_limit_s / 2` seconds of wall time; it then stops between two
+    iterations with stop_reason "cancelled", as it does when `cancel` is set or the generator is closed.
+    """
+    cancel = cancel or threading.Event()
+    snap = RaceSnapshot("vanilla", {m: [] for m in PHASES}, {m: [] for m in PHASES})
+    for method in PHASES:
+        snap.phase = method
+        deadline = time.monotonic() + time_limit_s / 2
+        events: queue.Queue = queue.Queue()
+        should_stop = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
+        worker = threading.Thread(target=_drain, args=(engine, prompt_ids, request.decode_config(method), should_stop, events),
+                                  name=f"sdsat-{method}", daemon=True)
+        decoder = PieceDecoder(engine.tokenizer, prompt_ids)
+        worker.start()
+        try:
+            last_yield = 0.0
+            while True:
+                try:
+                    event = events.get(timeout=every)
+                except queue.Empty:
+                    event = None
+                if event is _DONE:
+                    break
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, StepRecord):
+                    snap.steps[method].append(event)
+                    snap.pieces[method].extend(decoder.add(t) for t in event.tokens)
+                elif isinstance(event, GenerationResult):
+                    if snap.pieces[method]:
+                        snap.pieces[method][-1] += decoder.flush()
+                    snap.results[method] = event
+                if time.monotonic() - last_yield >= every:
+                    last_yield = time.monotonic()
+                    yield snap
+        finally:
+            # Stop, disconnect or an error: the worker stops at its next iteration boundary; wait for
+            # it so that the next request never shares the CPU with an abandoned one.
+            if method not in snap.results:
+                cancel.set()
+            worker.join(timeout=30)
+        if method not in snap.results:
+            raise RuntimeError(f"the {method} decoder ended without a result")
+    snap.phase = "done"
+    yield snap
+
+
+def _drain(engine: Engine, prompt_ids, config, should_stop, events: queue.Queue) -> None:
+    try:
+        for event in engine.stream(prompt_ids, config, should_stop):
+            events.put(event)
+    except Exception as err:  # handed to the page's thread, which raises it
+        events.put(err)
+    finally:
+        events.put(_DONE)
+
+
+def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap: RaceSnapshot) -> RaceRecord:
+    """Freeze a finished race into what the page keeps: results, token texts, explorer vocabulary."""
+    vanilla, sdsat = snap.results["vanilla"], snap.results["sdsat"]
+    ids = set(prompt_ids[-12:]) | set(sdsat.token_ids)
+    for step in sdsat.steps:
+        ids.update(step.drafts)
+        ids.update(step.predictions)
+    vocab = dict(zip(sorted(ids), pieces_of_each(engine, sorted(ids))))
+    special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
+    return RaceRecord(
+        model=engine.name, sat_trained=engine.sat_trained, settings=request.settings(), prompt_ids=list(prompt_ids),
+        vanilla=vanilla, sdsat=sdsat, pieces={m: list(snap.pieces[m]) for m in PHASES}, vocab=vocab,
+        special_ids=special, hardware=hardware_line(engine),
+        time_limited=any(r.stop_reason == "cancelled" for r in (vanilla, sdsat)))
+
+
+def pieces_of_each(engine: Engine, ids: list[int]) -> list[str]:
+    """Text of each id decoded on its own (for chips in the step explorer)."""
+    return [pieces_of(engine.tokenizer, [i])[0] for i in ids]

@@ -1,0 +1,161 @@
+"""What the page may do: operator limits from the environment, and visitor settings checked against them.
+
+The operator sets limits with environment variables (read once at start-up); a visitor's settings
+are checked here before anything touches the model, and a bad one raises `SettingError` naming the
+setting and its allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..decoding import DecodeConfig
+from ..models import DEFAULT_MODEL
+from ..sampling import SamplingConfig
+
+MODES = ("greedy", "sampling")
+MAX_SEED = 2**31 - 1
+MAX_TEMPERATURE = 5.0
+MAX_TOP_K = 1000
+
+
+class SettingError(ValueError):
+    """A visitor's setting outside its allowed range; the message names the setting and the range."""
+
+
+@dataclass
+class Limits:
+    """Operator limits; each field has an environment variable (see `from_env`)."""
+
+    models: list[str] = field(default_factory=lambda: [DEFAULT_MODEL])  # SDSAT_MODELS: comma-separated, the first is the default
+    max_new_tokens: int = 128  # SDSAT_MAX_NEW_TOKENS: per decoder and request
+    max_prompt_tokens: int = 512  # SDSAT_MAX_PROMPT_TOKENS
+    max_prompt_chars: int = 8000  # SDSAT_MAX_PROMPT_CHARS: checked before tokenizing
+    time_limit_s: float = 90.0  # SDSAT_TIME_LIMIT: wall seconds per request; each decoder gets half
+    concurrency: int = 1  # SDSAT_CONCURRENCY: requests decoding at once (one shared model)
+    queue_size: int = 16  # SDSAT_QUEUE_SIZE: requests waiting beyond that are turned away
+    device: str = "auto"  # SDSAT_DEVICE: auto, cpu, cuda or mps
+    dtype: str = "auto"  # SDSAT_DTYPE: auto, float32, float16 or bfloat16
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Limits":
+        env = os.environ if env is None else env
+        limits = cls()
+        models = [m.strip() for m in env.get("SDSAT_MODELS", "").split(",") if m.strip()]
+        if models:
+            limits.models = list(dict.fromkeys(models))
+        for name, attr, kind, low in (
+            ("SDSAT_MAX_NEW_TOKENS", "max_new_tokens", int, 1),
+            ("SDSAT_MAX_PROMPT_TOKENS", "max_prompt_tokens", int, 1),
+            ("SDSAT_MAX_PROMPT_CHARS", "max_prompt_chars", int, 1),
+            ("SDSAT_TIME_LIMIT", "time_limit_s", float, 1),
+            ("SDSAT_CONCURRENCY", "concurrency", int, 1),
+            ("SDSAT_QUEUE_SIZE", "queue_size", int, 1),
+        ):
+            if name in env:
+                try:
+                    value = kind(env[name])
+                except ValueError:
+                    raise ValueError(f"{name} must be a number, got {env[name]!r}") from None
+                if not value >= low:
+                    raise ValueError(f"{name} must be at least {low}, got {value}")
+                setattr(limits, attr, value)
+        limits.device = env.get("SDSAT_DEVICE", limits.device)
+        limits.dtype = env.get("SDSAT_DTYPE", limits.dtype)
+        return limits
+
+
+@dataclass
+class RunRequest:
+    """One visitor request, after checking: the prompt and both decoders' configs."""
+
+    prompt: str
+    model: str
+    chat: bool
+    mode: str  # "greedy" or "sampling"
+    k: int
+    max_new_tokens: int
+    sampling: SamplingConfig
+
+    def decode_config(self, method: str) -> DecodeConfig:
+        # Each decoder gets its own SamplingConfig: the engine seeds a generator from it per request.
+        sampling = SamplingConfig(**vars(self.sampling))
+        return DecodeConfig(method=method, k=self.k, max_new_tokens=self.max_new_tokens, sampling=sampling)
+
+    def settings(self) -> dict:
+        return {"model": self.model, "chat": self.chat, "mode": self.mode, "k": self.k,
+                "max_new_tokens": self.max_new_tokens} | (
+            {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+             "top_k": self.sampling.top_k, "seed": self.sampling.seed} if self.mode == "sampling" else {})
+
+
+def _integer(name: str, value, low: int, high: int) -> int:
+    """`value` as an int in [low, high]; floats must be whole numbers (API callers send anything)."""
+    if isinstance(value, bool) or value is None:
+        raise SettingError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise SettingError(f"{name} must be a whole number between {low} and {high}, got {value!r}") from None
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value):
+        raise SettingError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
+    if not low <= int(value) <= high:
+        raise SettingError(f"{name} must be between {low} and {high}, got {int(value)}")
+    return int(value)
+
+
+def _real(name: str, value, low: float, high: float, low_open: bool) -> float:
+    bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise SettingError(f"{name} must be a number in {bound}, got {value!r}") from None
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        raise SettingError(f"{name} must be in {bound}, got {value}")
+    return value
+
+
+def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mode, k, max_new_tokens,
+                  temperature, top_p, top_k, seed) -> RunRequest:
+    """Check every setting a visitor sent; raises SettingError naming the first bad one.
+
+    `max_k` is the chosen model's largest k (None: not known yet, checked again once it is loaded).
+    """
+    if model not in limits.models:
+        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); got {model!r}")
+    if not isinstance(prompt, str) or prompt == "":
+        raise SettingError("prompt is empty: type some text for the model to continue")
+    if len(prompt) > limits.max_prompt_chars:
+        raise SettingError(f"prompt must be at most {limits.max_prompt_chars} characters, got {len(prompt)}")
+    if mode not in MODES:
+        raise SettingError(f"decoding must be one of {', '.join(MODES)}, got {mode!r}")
+    k = _integer("k (adaptive tokens per step)", k, 1, max_k or 64)
+    max_new_tokens = _integer("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
+    sampling = SamplingConfig()
+    if mode == "sampling":
+        sampling = SamplingConfig(
+            do_sample=True,
+            temperature=_real("temperature", temperature, 0.0, MAX_TEMPERATURE, low_open=True),
+            top_p=_real("top-p", top_p, 0.0, 1.0, low_open=True),
+            top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
+            seed=_integer("seed", seed, 0, MAX_SEED),
+        )
+    return RunRequest(prompt=prompt, model=model, chat=bool(chat), mode=mode, k=k, max_new_tokens=max_new_tokens,
+                      sampling=sampling)
+
+
+def check_prompt_ids(limits: Limits, prompt_ids: list[int], request: RunRequest, max_context: int | None) -> None:
+    """The encoded prompt fits the operator's limit and, with the new tokens and SATs, the model's context."""
+    if len(prompt_ids) > limits.max_prompt_tokens:
+        raise SettingError(f"prompt must be at most {limits.max_prompt_tokens} tokens, got {len(prompt_ids)}")
+    if not prompt_ids:
+        raise SettingError("prompt is empty after tokenizing: type some text for the model to continue")
+    room = request.max_new_tokens + request.k + 1  # the last draft block may reach past the output
+    if max_context is not None and len(prompt_ids) + room > max_context:
+        raise SettingError(f"prompt plus max new tokens must fit the model's context of {max_context} tokens; "
+                           f"the prompt has {len(prompt_ids)} tokens, so max new tokens can be at most "
+                           f"{max(max_context - len(prompt_ids) - request.k - 1, 0)}")

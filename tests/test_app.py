@@ -1,0 +1,225 @@
+"""The page's handlers and helpers, called directly (no server): settings, escaping, the race, the explorer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from html.parser import HTMLParser
+
+import gradio as gr
+import pytest
+
+from sdsat.decoding import StepRecord
+from sdsat.models import DEFAULT_MODEL
+from sdsat.ui import benchmark, explorer
+from sdsat.ui.handlers import RACE_OUTPUTS, Page
+from sdsat.ui.race import make_record, race
+from sdsat.ui.registry import EngineCache
+from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
+from sdsat.ui.settings import Limits, SettingError, check_request
+
+OUR_TAGS = {"div", "span", "sub", "b", "table", "tr", "th", "td", "code", "ul", "li"}
+GOOD = dict(prompt="def add(a, b):\n", model=DEFAULT_MODEL, chat=False, mode="greedy", k=4, max_new_tokens=8,
+            temperature=1.0, top_p=1.0, top_k=0, seed=0)
+
+
+class _Tags(HTMLParser):
+    """Every tag name in a page fragment, and the text between tags."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags: set[str] = set()
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(fragment: str) -> _Tags:
+    parser = _Tags()
+    parser.feed(fragment)
+    return parser
+
+
+@pytest.fixture(scope="module")
+def page(default_engine):
+    cache = EngineCache(Limits(max_new_tokens=24, time_limit_s=120))
+    cache.add(default_engine)
+    return Page(cache.limits, cache)
+
+
+# -- settings -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, named", [
+    (dict(k=0), "k (adaptive tokens"), (dict(k=9), "between 1 and 8"), (dict(k=2.5), "k (adaptive tokens"),
+    (dict(max_new_tokens=0), "max new tokens"), (dict(max_new_tokens=10_000), "between 1 and 128"),
+    (dict(mode="beam"), "decoding"), (dict(model="gpt2"), "model must be one of"),
+    (dict(model="/etc/passwd"), "model must be one of"), (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="x" * 9000), "at most 8000 characters"),
+    (dict(mode="sampling", temperature=0), "temperature"), (dict(mode="sampling", temperature=float("nan")), "temperature"),
+    (dict(mode="sampling", top_p=1.5), "top-p"), (dict(mode="sampling", top_p=0), "top-p"),
+    (dict(mode="sampling", top_k=-1), "top-k"), (dict(mode="sampling", seed=-3), "seed"),
+    (dict(mode="sampling", seed=None), "seed"),
+])
+def test_bad_setting_names_the_setting(change, named):
+    with pytest.raises(SettingError, match=named.replace("(", r"\(")):
+        check_request(Limits(), 8, **(GOOD | change))
+
+
+def test_good_settings_fill_both_configs():
+    request = check_request(Limits(), 8, **(GOOD | dict(mode="sampling", temperature=0.7, top_k="40", seed=3.0)))
+    vanilla, sdsat = request.decode_config("vanilla"), request.decode_config("sdsat")
+    assert (vanilla.method, sdsat.method, sdsat.k, sdsat.max_new_tokens) == ("vanilla", "sdsat", 4, 8)
+    assert sdsat.sampling.do_sample and sdsat.sampling.top_k == 40 and sdsat.sampling.seed == 3
+    assert vanilla.sampling is not sdsat.sampling
+
+
+def test_limits_from_env():
+    limits = Limits.from_env({"SDSAT_MODELS": " a, b ,a", "SDSAT_MAX_NEW_TOKENS": "32", "SDSAT_TIME_LIMIT": "12.5"})
+    assert limits.models == ["a", "b"] and limits.max_new_tokens == 32 and limits.time_limit_s == 12.5
+    assert Limits.from_env({}).models == [DEFAULT_MODEL]
+    with pytest.raises(ValueError, match="SDSAT_MAX_NEW_TOKENS"):
+        Limits.from_env({"SDSAT_MAX_NEW_TOKENS": "lots"})
+    with pytest.raises(ValueError, match="SDSAT_CONCURRENCY must be at least 1"):
+        Limits.from_env({"SDSAT_CONCURRENCY": "0"})
+
+
+def test_cache_refuses_models_off_the_list():
+    cache = EngineCache(Limits())
+    with pytest.raises(SettingError, match="model must be one of"):
+        cache.get("HuggingFaceTB/SmolLM2-360M")
+
+
+# -- escaping -----------------------------------------------------------------------------------------
+HOSTILE = ['<script>alert(1)</script>', ' a < b && c > d', '"quoted" \'single\'', '{{7*7}}', '${1+1}', '`tick`', "\x00\x1b"]
+
+
+def _fake_steps() -> tuple[list[StepRecord], list[str]]:
+    steps = [StepRecord(0, 5, 3, [11, 12, 13], [0.9, 0.5, 0.2], [11, 99, 7, 8], 1, [10, 11, 99],
+                        ["verified", "draft", "bonus"], [0.8, 0.7, 0.6], [0.1, 0.1], 8, 0.2),
+             StepRecord(1, 8, 3, [21, 22, 23], [0.9, 0.9, 0.9], [21, 22, 23, 24], 3, [20, 21, 22, 23, 24],
+                        ["verified", "draft", "draft", "draft", "bonus"], [0.5] * 5, [0.1, 0.1], 13, 0.4)]
+    pieces = (HOSTILE + HOSTILE)[:8]
+    return steps, pieces
+
+
+def test_esc_defuses_markup_and_templates():
+    out = esc('<script>&"\'{{x}}${y}`')
+    assert "<" not in out and ">" not in out and '"' not in out and "{" not in out and "$" not in out
+    assert esc("\x00") == "\u2400"
+
+
+def test_rendered_panes_show_markup_as_text():
+    steps, pieces = _fake_steps()
+    vocab = {i: "<img src=x onerror=alert(1)>" for i in range(100)}
+    for fragment in (sdsat_html(steps, pieces, vocab, show_rejected=True),
+                     vanilla_html([StepRecord(i, 0, 0, [], [], [], 0, [i], ["verified"], [0.5], [0.1], 1, 0.1)
+                                   for i in range(len(HOSTILE))], HOSTILE)):
+        parsed = parse(fragment)
+        assert parsed.tags <= OUR_TAGS, parsed.tags - OUR_TAGS
+        text = "".join(parsed.text)
+        assert "<script>alert(1)</script>" in text and "a < b && c > d" in text and "{{7*7}}" in text
+
+
+def test_sdsat_pane_colours_by_source_and_marks_iterations():
+    steps, pieces = _fake_steps()
+    html = sdsat_html(steps, pieces, {12: "x", 13: "y"}, show_rejected=True)
+    assert html.count('class="iter"') == 2
+    assert html.count("src-verified") == 2 and html.count("src-draft") == 4 and html.count("src-bonus") == 2
+    assert html.count("src-rejected") == 2  # iteration 1 rejected d2 and d3
+    assert "draft position 1 of 3" in html and "not reached: an earlier draft was rejected" in html
+    assert "src-rejected" not in sdsat_html(steps, pieces, {}, show_rejected=False)
+
+
+def test_pieces_join_to_the_decoded_text(default_engine):
+    tok = default_engine.tokenizer
+    ids = tok("Grüße 🙂 from 東京 <b>&amp;</b>\n\tok", add_special_tokens=False).input_ids
+    pieces = pieces_of(tok, ids)
+    assert len(pieces) == len(ids)
+    assert "".join(pieces) == tok.decode(ids)
+
+
+# -- the race through the handlers ----------------------------------------------------------------------
+def test_greedy_race_is_identical_and_stats_add_up(page):
+    outs = list(page.run(**(GOOD | dict(max_new_tokens=12)), show_rejected=True))
+    final = dict(zip(RACE_OUTPUTS, outs[-1]))
+    data, record = final["run_data"], final["record"]
+    assert data["identical"] is True and data["vanilla"]["text"] == data["sdsat"]["text"]
+    assert data["vanilla"]["token_ids"] == data["sdsat"]["token_ids"]
+    s = data["sdsat"]
+    assert s["new_tokens"] == len(s["token_ids"]) == sum(len(st.tokens) for st in record.sdsat.steps)
+    assert s["forward_passes"] == 2 * s["iterations"]
+    assert s["new_tokens"] <= 2 * s["iterations"] + s["mean_accepted_drafts"] * s["iterations"] + 1e-9
+    assert data["vanilla"]["forward_passes"] == data["vanilla"]["new_tokens"]
+    assert abs(data["speedup"] - s["tokens_per_second"] / data["vanilla"]["tokens_per_second"]) < 1e-9
+    assert "Identical output: checked" in final["headline"]
+    assert json.dumps(data)  # plain data for the API
+    # the explorer draws every iteration
+    for i in range(1, s["iterations"] + 1):
+        assert f"Iteration {i} of {s['iterations']}" in page.explore(record, i)
+    assert page.step(record, s["iterations"], +1)[0] == s["iterations"]
+
+
+def test_markup_prompt_is_text_everywhere(page):
+    prompt = '<script>alert("x")</script> & <b>bold</b>\n<html>\n<head>\n  <title>'
+    final = dict(zip(RACE_OUTPUTS, list(page.run(**(GOOD | dict(prompt=prompt, max_new_tokens=8)), show_rejected=True))[-1]))
+    for name in ("headline", "vanilla", "sdsat", "explorer"):
+        parsed = parse(final[name])
+        assert parsed.tags <= OUR_TAGS, (name, parsed.tags - OUR_TAGS)
+    assert "<title>" in "".join(parse(final["explorer"]).text)  # the prompt's tail, shown as text
+
+
+def test_sampling_race_runs_and_says_why_texts_differ(page):
+    outs = list(page.run(**(GOOD | dict(mode="sampling", temperature=0.8, top_p=0.9, top_k=20, seed=1,
+                                        max_new_tokens=6)), show_rejected=False))
+    final = dict(zip(RACE_OUTPUTS, outs[-1]))
+    assert final["run_data"]["identical"] is None and "differ by design" in final["headline"]
+
+
+def test_bad_input_gives_gr_error_naming_the_setting(page):
+    with pytest.raises(gr.Error, match="k \\(adaptive tokens per step\\) must be between 1 and 8"):
+        list(page.run(**(GOOD | dict(k=50)), show_rejected=False))
+    with pytest.raises(gr.Error, match="max new tokens must be between 1 and 24"):
+        list(page.run(**(GOOD | dict(max_new_tokens=25)), show_rejected=False))
+    with pytest.raises(gr.Error, match="prompt must be at most 512 tokens"):
+        list(page.run(**(GOOD | dict(prompt="hello " * 600)), show_rejected=False))
+
+
+def test_closing_the_run_cancels_the_decoder_at_once(page):
+    run = page.run(**(GOOD | dict(max_new_tokens=24)), show_rejected=False)
+    next(run)  # the first snapshot: vanilla is decoding
+    start = time.monotonic()
+    run.close()  # what Gradio does on Stop or when the visitor leaves
+    # The decoder stops at its next iteration boundary: one forward pass, seconds on a loaded 2-core CPU.
+    assert time.monotonic() - start < 15
+    assert not [t for t in threading.enumerate() if t.name.startswith("sdsat-") and t.is_alive()]
+    outs = list(page.run(**GOOD, show_rejected=False))  # the next request works
+    assert dict(zip(RACE_OUTPUTS, outs[-1]))["run_data"]["identical"] is True
+
+
+def test_time_limit_stops_each_decoder(page, default_engine):
+    request = check_request(page.limits, 8, **(GOOD | dict(max_new_tokens=24)))
+    ids = default_engine.encode(request.prompt)
+    snaps = list(race(default_engine, ids, request, time_limit_s=0.02))
+    record = make_record(default_engine, request, ids, snaps[-1])
+    assert record.time_limited and record.vanilla.stop_reason == "cancelled"
+    assert len(record.vanilla.token_ids) < 24 and record.identical()[0]
+
+
+def test_explorer_without_a_run():
+    assert "Run a prompt" in explorer.explorer_html(None, 0)
+
+
+# -- benchmark tab ----------------------------------------------------------------------------------------
+def test_benchmark_tab_without_and_with_results(tmp_path):
+    assert "No benchmark results yet" in benchmark.load_bench(tmp_path).html
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"hardware": "2 vCPU <b>", "rows": [{"method": "sdsat<script>", "k": 5, "speedup": 1.234567}]}))
+    (tmp_path / "speedup.json").write_text(json.dumps({"data": [{"type": "bar", "y": [1, 2]}], "layout": {}}))
+    (tmp_path / "speedup.png").write_bytes(b"\x89PNG\r\n")
+    view = benchmark.load_bench(tmp_path)
+    assert "sdsat&lt;script&gt;" in view.html and "1.23" in view.html and "2 vCPU &lt;b&gt;" in view.html
+    assert len(view.figures) == 1 and view.images == [str(tmp_path / "speedup.png")]
