@@ -105,6 +105,9 @@ def load_model(config: LoadConfig | None = None):
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     source = str(default_model_folder()) if config.model == DEFAULT_MODEL else config.model
+    # A path that is not there would otherwise be read as a hub id, with a confusing message.
+    if config.model.startswith(("/", ".", "~")) and not Path(config.model).expanduser().is_dir():
+        raise ModelLoadError(f"cannot load model {config.model!r}: no such folder")
     kwargs: dict = dict(dtype=dtype, trust_remote_code=config.trust_remote_code)
     if config.quantization is not None:
         kwargs["quantization_config"] = _bitsandbytes_config(config.quantization, device)
