@@ -1,0 +1,242 @@
+"""`python -m sdsat generate`: one generation from the command line, with its statistics.
+
+Decoding is greedy unless --sample or --temperature is given. Without --json the text streams to
+stdout as it is decoded, followed by the statistics; with --json stdout holds exactly one JSON
+object (GenerationResult.to_dict() plus the model and settings). Logs, warnings and progress bars
+go to stderr. A bad setting or a model that cannot be loaded ends with exit status 2 and one line
+on stderr. Training and the benchmark have their own entry points: `python -m sdsat.train` and
+`python -m sdsat.bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, replace
+from typing import TextIO
+
+EXIT_BAD_SETTINGS = 2  # as argparse and `python -m sdsat.bench` use for bad arguments
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: the line says what to fix, --help the rest."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_SETTINGS, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .decoding import METHODS, DecodeConfig
+    from .models import DEFAULT_MODEL
+
+    parser = _Parser(prog="python -m sdsat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    gen = commands.add_parser("generate", help="generate one completion and print it with its statistics",
+                              description="Generate one completion with SDSAT or vanilla decoding.")
+    what = gen.add_argument_group("request")
+    what.add_argument("--prompt", required=True, help="the text to continue, or with --chat the user message")
+    what.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    what.add_argument("--method", default="sdsat", choices=METHODS, help="decoder (default sdsat)")
+    what.add_argument("--k", type=int, help="adaptive tokens (drafts) per SDSAT step, 1..the SATs' largest k "
+                      f"(default {DecodeConfig.k}, or that largest k if smaller)")
+    what.add_argument("--adaptive-k", action="store_true", help="SDSAT: adapt k to recent acceptance, up to --k")
+    what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
+                      help=f"stop after this many new tokens (default {DecodeConfig.max_new_tokens})")
+    what.add_argument("--stop", action="append", default=[], metavar="STR",
+                      help="stop once the output contains STR (repeatable); the output ends with it")
+    sampling = gen.add_argument_group("sampling (greedy unless --sample or --temperature is given)")
+    sampling.add_argument("--sample", action="store_true", help="sample instead of greedy decoding (temperature 1)")
+    sampling.add_argument("--temperature", type=float, help="sample with this temperature (> 0); implies --sample")
+    sampling.add_argument("--top-p", type=float, help="nucleus: keep the most likely tokens up to this mass, in (0, 1]")
+    sampling.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: all)")
+    sampling.add_argument("--seed", type=int, help="seed of the sampler, for repeatable samples")
+    model = gen.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"hub id or local folder (default: the embedded {DEFAULT_MODEL})")
+    sats = model.add_mutually_exclusive_group()
+    sats.add_argument("--sat-ids", type=int, nargs="+", metavar="ID",
+                      help="the paper's kind of SATs: these vocabulary ids (one id may serve every position, "
+                           "e.g. 32011 for the CodeLlama-SDSAT checkpoints)")
+    sats.add_argument("--adapter", metavar="DIR", help="a SAT adapter folder (adapter_config.json + weights)")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default auto")
+    model.add_argument("--quantization", choices=["4bit", "8bit"], help="bitsandbytes loading (CUDA only)")
+    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
+                       "machine 1 can be much faster)")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="run the model repository's own Python code (only for repositories you trust)")
+    out = gen.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of text and statistics")
+    out.add_argument("--verbose", action="store_true", help="show library logs and progress bars on stderr")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries(args.verbose)
+    out = sys.stdout
+    try:
+        # Whatever a library prints goes to stderr: stdout is for the result alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            return _generate(args, out)
+    except ValueError as err:  # bad settings, and ModelLoadError
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def decode_config(args: argparse.Namespace, max_k: int | None = None):
+    """The DecodeConfig the arguments ask for; raises ValueError on a bad combination.
+
+    Without `max_k` (the model is not loaded yet) k is not checked; everything else is.
+    """
+    from .decoding import DecodeConfig
+    from .sampling import SamplingConfig
+
+    do_sample = args.sample or args.temperature is not None
+    if not do_sample and (args.top_p is not None or args.top_k is not None):
+        raise ValueError("--top-p and --top-k only apply when sampling: add --sample or --temperature")
+    sampling = SamplingConfig(do_sample=do_sample,
+                              temperature=1.0 if args.temperature is None else args.temperature,
+                              top_p=1.0 if args.top_p is None else args.top_p,
+                              top_k=0 if args.top_k is None else args.top_k, seed=args.seed)
+    k = args.k if args.k is not None else min(DecodeConfig.k, max_k or DecodeConfig.k)
+    config = DecodeConfig(method=args.method, k=k, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k)
+    if max_k is None:
+        replace(config, method="vanilla").validate()
+    else:
+        config.validate(max_k=max_k)
+    return config
+
+
+def _generate(args: argparse.Namespace, out: TextIO) -> int:
+    from .decoding import GenerationResult
+    from .engine import Engine, SatSource
+    from .models import LoadConfig
+
+    if not args.prompt:
+        raise ValueError("prompt must be a non-empty string")
+    decode_config(args)  # refuse bad settings before spending seconds on loading the model
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    held = _HeldLogs()  # load-time warnings are shown only if the request goes ahead
+    with held:
+        engine = Engine.load(LoadConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                        quantization=args.quantization, trust_remote_code=args.trust_remote_code),
+                             SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
+        config = decode_config(args, max_k=engine.max_k)
+        prompt_ids = engine.encode(args.prompt, chat=args.chat)
+    held.release()
+    text = _StreamedText(engine.tokenizer, out if not args.json else None)
+    for event in engine.stream(prompt_ids, config):
+        if isinstance(event, GenerationResult):
+            result = event
+        else:
+            text.add(event.tokens)
+    text.finish(result.text)
+    if args.json:
+        payload = result.to_dict() | {"model": engine.name, "sat_kind": engine.sat_model.spec.kind,
+                                      "sat_trained": engine.sat_trained, "chat": args.chat,
+                                      "settings": asdict(config)}
+        out.write(json.dumps(payload) + "\n")
+    else:
+        out.write("\n" + format_stats(result, engine.sat_trained) + "\n")
+    out.flush()
+    return 0
+
+
+def format_stats(result, sat_trained: bool = True) -> str:
+    """The result's metrics as a few human-readable lines (the definitions of SDSAT.md)."""
+    method = f"sdsat (k={result.k})" if result.method == "sdsat" else result.method
+    lines = [
+        "-" * 60,
+        f"{method}: {len(result.token_ids)} new tokens in {result.seconds:.2f} s "
+        f"({result.tokens_per_second:.1f} tokens/s), stopped by {result.stop_reason}",
+        f"forward passes: {result.forward_passes} ({result.tokens_per_forward_pass:.2f} new tokens per pass), "
+        f"iterations: {len(result.steps)}",
+    ]
+    if result.method == "sdsat":
+        positions = " ".join(f"{i}:{rate:.2f}" for i, rate in enumerate(result.acceptance_by_position, 1))
+        lines += [f"mean accepted length: {result.mean_tokens_per_iteration:.2f} tokens per iteration "
+                  f"(the verified and bonus tokens counted), {result.mean_accepted_drafts:.2f} accepted drafts",
+                  f"acceptance by draft position: {positions}"]
+        if not sat_trained:
+            lines.append("note: these SATs are an untrained adapter, so drafts are rarely accepted")
+    return "\n".join(lines)
+
+
+class _StreamedText:
+    """Writes the decoded text as tokens arrive, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, out: TextIO | None):
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def add(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        if self.out is None:
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def finish(self, final: str) -> None:
+        if self.out is None:
+            return
+        # Decoding more tokens can, rarely, re-space earlier text: then write the final text afresh.
+        self.out.write(final[len(self.shown):] if final.startswith(self.shown) else "\n" + final)
+        self.out.write("\n")
+
+
+class _HeldLogs:
+    """Holds log records and Python warnings back until `release`, so an error is the only line shown."""
+
+    def __init__(self):
+        self.records: list[logging.LogRecord] = []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self.saved = root.handlers[:]
+        root.handlers = [self.handler]
+        logging.captureWarnings(True)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger().handlers = self.saved
+        return False
+
+    def release(self) -> None:
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+        self.records.clear()
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)
+    if verbose:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

@@ -1,0 +1,71 @@
+"""`python -m sdsat generate`, run as a user would: in a subprocess, on the embedded default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "def fib(n):"
+# One torch thread: on a shared 2-core machine more threads make the model many times slower.
+ENV = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sdsat", "generate", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def sdsat_json() -> dict:
+    proc = cli("--prompt", PROMPT, "--method", "sdsat", "--k", "5", "--max-new-tokens", "16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)  # stdout is exactly one JSON object: nothing else got onto it
+
+
+def test_json_output_has_the_result_and_its_records(sdsat_json: dict):
+    out = sdsat_json
+    for key in ("token_ids", "text", "seconds", "tokens_per_second", "forward_passes", "steps", "stop_reason",
+                "acceptance_by_position", "mean_tokens_per_iteration", "model", "settings"):
+        assert key in out, key
+    assert (out["method"], out["k"], out["settings"]["sampling"]["do_sample"]) == ("sdsat", 5, False)
+    assert 0 < len(out["token_ids"]) <= 16 and out["text"].strip()
+    assert out["seconds"] > 0 and out["tokens_per_second"] > 0
+    assert [t for step in out["steps"] for t in step["tokens"]] == out["token_ids"]
+    assert out["forward_passes"] == 2 * len(out["steps"]) == sum(len(s["pass_seconds"]) for s in out["steps"])
+    assert all({"drafts", "accepted", "rejected", "sources", "kv_len"} <= set(step) for step in out["steps"])
+
+
+def test_greedy_sdsat_prints_the_same_text_as_vanilla(sdsat_json: dict):
+    proc = cli("--prompt", PROMPT, "--method", "vanilla", "--max-new-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    text, _, stats = proc.stdout.partition("\n" + "-" * 60 + "\n")
+    assert text == sdsat_json["text"] + "\n"
+    assert f"vanilla: {len(sdsat_json['token_ids'])} new tokens" in stats and "tokens/s" in stats
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr  # no traceback, no held-back warnings
+    return lines[0]
+
+
+def test_k_out_of_range_is_one_line_naming_k_and_the_range():
+    line = one_error_line(cli("--prompt", PROMPT, "--k", "99"))
+    assert "k (number of adaptive tokens) must be between 1 and 8, got 99" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "prompt must be a non-empty string"),
+    (["--prompt", PROMPT, "--temperature", "0"], "temperature must be greater than 0"),
+    (["--prompt", PROMPT, "--model", "/no/such/model"], "no such folder"),
+])
+def test_bad_settings_fail_before_loading_with_one_line(args: list[str], message: str):
+    assert message in one_error_line(cli(*args))
