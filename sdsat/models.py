@@ -108,6 +108,8 @@ def load_model(config: LoadConfig | None = None):
     # A path that is not there would otherwise be read as a hub id, with a confusing message.
     if config.model.startswith(("/", ".", "~")) and not Path(config.model).expanduser().is_dir():
         raise ModelLoadError(f"cannot load model {config.model!r}: no such folder")
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise ModelLoadError(f"cannot load model {config.model!r}: the folder has no config.json (not a saved model)")
     kwargs: dict = dict(dtype=dtype, trust_remote_code=config.trust_remote_code)
     if config.quantization is not None:
         kwargs["quantization_config"] = _bitsandbytes_config(config.quantization, device)
