@@ -1,0 +1,203 @@
+"""`python -m sdsat.bench`: race SDSAT against vanilla decoding and transformers' decoders.
+
+Writes OUT_DIR/results.json (every run and the summary, rewritten after each prompt), results.md
+(the table, also printed on stdout), summary.json (the table as data, which the app's Benchmark tab
+shows) and the figures as HTML and PNG. Progress goes to stderr.
+Exit status: 0 done, 3 a greedy output differed from vanilla's (a bug), 130 interrupted (Ctrl-C;
+the runs completed so far are kept), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+
+QUICK = dict(limit=3, max_new_tokens=48, k=[2, 4, 6], sample_k=4, temperatures=[1.0], repeats=1, warmup_tokens=8)
+DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures=[0.2, 1.0], repeats=1,
+                warmup_tokens=16)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from .methods import METHODS
+
+    parser = argparse.ArgumentParser(prog="python -m sdsat.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_argument_group("prompts")
+    source.add_argument("--prompts", metavar="FILE", help='JSON lines {"prompt": ..., "kind": "completion"|"chat"}; '
+                        "default: HumanEval")
+    source.add_argument("--subset", help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive)')
+    source.add_argument("--limit", type=int, help="at most this many prompts (after --subset)")
+    what = parser.add_argument_group("methods")
+    what.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
+                      help=f"any of {', '.join(METHODS)} (default: all)")
+    what.add_argument("--k", nargs="+", type=int, help="sdsat_greedy's k sweep (default: 1..the SATs' max k)")
+    what.add_argument("--sample-k", type=int, help="sdsat_sample's k (default 4, capped at the max k)")
+    what.add_argument("--temperatures", nargs="+", type=float, help="sampling temperatures (default 0.2 1.0)")
+    what.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling (default 1: off)")
+    what.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
+    what.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
+    what.add_argument("--lookup-ngram", type=int, default=2, help="prompt lookup's max_matching_ngram_size (default 2)")
+    how = parser.add_argument_group("measurement")
+    how.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 256)")
+    how.add_argument("--repeats", type=int, help="timed runs per prompt and method (default 1)")
+    how.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up run per method (default 16; 0: none)")
+    how.add_argument("--quick", action="store_true",
+                     help="a few minutes on 2 CPU cores: 3 prompts, 48 tokens, k 2 4 6, T 1.0 (explicit options win)")
+    how.add_argument("--pass-at-1", action=argparse.BooleanOptionalAction, default=None,
+                     help="score HumanEval pass@1 (default: on for HumanEval)")
+    how.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program (default 10)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--adapter", help="SAT adapter folder (default: the model's own or the shipped one)")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    model.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out-dir", default="runs/bench", help="figures, results.md and results.json (default runs/bench)")
+    out.add_argument("--json", metavar="OUT", help="results JSON path (default OUT_DIR/results.json)")
+    out.add_argument("--no-figures", action="store_true", help="skip the figures")
+    out.add_argument("--no-png", action="store_true", help="HTML figures only")
+    out.add_argument("--plotlyjs", default="cdn", choices=["cdn", "directory", "inline"],
+                     help="how the HTML figures get plotly.js (default cdn; inline works offline, ~4.6 MB each)")
+    out.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else DEFAULTS
+    for name, value in preset.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    for name in ("limit", "max_new_tokens", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup_tokens < 0:
+        parser.error("--warmup-tokens must be 0 or more")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_dir = Path(args.out_dir)
+    json_path = Path(args.json) if args.json else out_dir / "results.json"
+
+    from .prompts import PromptFileError, file_prompts, humaneval_prompts
+
+    try:
+        prompts = (file_prompts(args.prompts, args.subset, args.limit) if args.prompts
+                   else humaneval_prompts(args.subset, args.limit))
+    except (PromptFileError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from tqdm import tqdm
+
+    import torch
+
+    from ..engine import Engine, SatSource
+    from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
+    from .figures import build_figures, write_figures
+    from .methods import plan_variants
+    from .report import build_payload, write_json
+    from .runner import (BenchConfig, encode_prompts, git_commit, iterate_runs, machine_info, now_iso,
+                         run_to_dict, score_pass_at_1, warm_up)
+    from .table import markdown_table, summary_rows
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device=args.device),
+                             SatSource(adapter=args.adapter))
+    except (ModelLoadError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    k_list = args.k if args.k else list(range(1, engine.max_k + 1))
+    config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
+                         temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,
+                         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup_tokens=args.warmup_tokens,
+                         lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram)
+    try:
+        variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
+                                 config.lookup_tokens, engine.max_k)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    use_pass_at_1 = args.pass_at_1 if args.pass_at_1 is not None else not args.prompts
+    if use_pass_at_1 and args.prompts:
+        print("warning: --pass-at-1 needs HumanEval prompts; skipped", file=sys.stderr)
+        use_pass_at_1 = False
+
+    meta = {
+        "date": now_iso(),
+        "command": shlex.join(["python", "-m", "sdsat.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "git_commit": git_commit(),
+        "source": f"prompts file {args.prompts}" if args.prompts else "HumanEval",
+        "model": {"name": engine.name, "adapter": engine.sat_model.spec.adapter, "sat_kind": engine.sat_model.spec.kind,
+                  "sat_trained": engine.sat_trained, "max_k": engine.max_k},
+        "machine": machine_info(engine),
+        "settings": {"methods": config.methods, "k": k_list, "sample_k": config.sample_k,
+                     "temperatures": config.temperatures, "top_p": config.top_p, "seed": config.seed,
+                     "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
+                     "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,
+                     "lookup_ngram": config.lookup_ngram, "quick": args.quick, "subset": args.subset,
+                     "limit": args.limit, "variants": [v.label for v in variants]},
+    }
+    prompt_ids = encode_prompts(engine, prompts)
+    runs: list[dict] = []
+    interrupted = False
+    bar_options = dict(file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
+    try:
+        for _ in tqdm(warm_up(engine, variants, prompt_ids[0], config), total=len(variants) if config.warmup_tokens else 0,
+                      desc="warm-up", unit="method", **bar_options):
+            pass
+        total = len(prompts) * config.repeats * len(variants)
+        with tqdm(total=total, desc="bench", unit="run", **bar_options) as bar:
+            per_prompt = config.repeats * len(variants)
+            for run in iterate_runs(engine, variants, prompt_ids, config):
+                runs.append(run_to_dict(run))
+                bar.update()
+                bar.set_postfix_str(f"prompt {run.prompt_index + 1}/{len(prompts)} {run.method} "
+                                    f"{run.tokens_per_second:.1f} tok/s")
+                if len(runs) % per_prompt == 0:  # a prompt is done: save what we have
+                    write_json(build_payload(meta, prompts, runs), json_path)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\ninterrupted: keeping the {len(runs)} completed runs", file=sys.stderr)
+    meta["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    payload = build_payload(meta, prompts, runs, interrupted=interrupted, complete=not interrupted)
+    write_json(payload, json_path)
+    if not runs:
+        print(f"no completed runs; wrote {json_path}", file=sys.stderr)
+        return 130 if interrupted else 1
+    if use_pass_at_1:
+        with tqdm(total=1, desc="pass@1", unit="step", **bar_options):
+            payload["pass_at_1"] = score_pass_at_1(prompts, runs, timeout=args.exec_timeout)
+        write_json(payload, json_path)
+    table = markdown_table(payload)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.md").write_text(table, encoding="utf-8")
+    write_json(summary_rows(payload), out_dir / "summary.json")
+    print(table)
+    written = [json_path, out_dir / "results.md", out_dir / "summary.json"]
+    if not args.no_figures:
+        paths, skipped = write_figures(build_figures(payload), out_dir, png=not args.no_png, plotlyjs=args.plotlyjs)
+        written += paths
+        if skipped and not args.no_png:
+            print(f"warning: {skipped}; wrote the HTML figures only", file=sys.stderr)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    mismatches = payload["summary"]["greedy_mismatches"]
+    if mismatches:
+        print("\n" + "!" * 78 + f"\nBUG: {len(mismatches)} greedy output(s) differ from vanilla decoding:", file=sys.stderr)
+        for m in mismatches:
+            print(f"  prompt {m['prompt_index']} repeat {m['repeat']} {m['label']}: first difference at token "
+                  f"{m['first_difference']}", file=sys.stderr)
+        print("In float32 greedy outputs must be identical; please report this.\n" + "!" * 78, file=sys.stderr)
+        return 3
+    return 130 if interrupted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The decoders the benchmark races, and one runner that times any of them on one prompt.
+
+Methods (names used by `--methods` and in every output):
+  vanilla         the engine's autoregressive loop, greedy: the reference every speed-up divides by
+  generate        transformers' `model.generate`, greedy
+  prompt_lookup   `model.generate` with prompt lookup decoding (drafts copied from the prompt), greedy
+  sdsat_greedy    the engine's SDSAT draft-then-verify, greedy, once per k
+  vanilla_sample  the engine's loop, sampling at each temperature
+  sdsat_sample    SDSAT with speculative sampling, at each temperature
+
+Forward passes are counted the same way for all of them, by a forward hook on the model, so tokens
+per forward pass compares `model.generate` with the engine honestly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from transformers import GenerationConfig
+
+from ..decoding import DecodeConfig, run
+from ..engine import Engine
+from ..sampling import SamplingConfig
+
+GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
+SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
+METHODS = GREEDY_METHODS + SAMPLE_METHODS
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A method with its settings: one row of the summary."""
+
+    method: str  # one of METHODS
+    k: int = 0  # drafts per step: SDSAT's k, prompt lookup's prompt_lookup_num_tokens; 0 if none
+    temperature: float | None = None  # sampling methods only
+
+    @property
+    def greedy(self) -> bool:
+        return self.method in GREEDY_METHODS
+
+    @property
+    def label(self) -> str:
+        return label_of(self.method, self.k, self.temperature)
+
+
+def label_of(method: str, k: int, temperature: float | None) -> str:
+    """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2"."""
+    parts = [method] + ([f"k={k}"] if k else []) + ([f"T={temperature:g}"] if temperature is not None else [])
+    return " ".join(parts)
+
+
+def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
+                  lookup_tokens: int, max_k: int) -> list[Variant]:
+    """The variants of a run, in a fixed order (vanilla first when present)."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    too_big = [k for k in k_list + ([sample_k] if "sdsat_sample" in methods else []) if not 1 <= k <= max_k]
+    if any(m.startswith("sdsat") for m in methods) and too_big:
+        raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
+    if any(not t > 0 for t in temperatures):
+        raise ValueError(f"temperatures must be above 0, got {temperatures}")
+    variants: list[Variant] = []
+    for method in METHODS:  # canonical order, whatever order the user listed
+        if method not in methods:
+            continue
+        if method == "prompt_lookup":
+            variants.append(Variant(method, k=lookup_tokens))
+        elif method == "sdsat_greedy":
+            variants.extend(Variant(method, k=k) for k in sorted(set(k_list)))
+        elif method == "vanilla_sample":
+            variants.extend(Variant(method, temperature=t) for t in temperatures)
+        elif method == "sdsat_sample":
+            variants.extend(Variant(method, k=sample_k, temperature=t) for t in temperatures)
+        else:
+            variants.append(Variant(method))
+    return variants
+
+
+@dataclass
+class Run:
+    """One timed generation; what `--json` writes for every run."""
+
+    prompt_index: int
+    repeat: int  # 0..repeats-1
+    method: str
+    k: int
+    temperature: float | None
+    seed: int | None  # sampling seed; None for greedy
+    new_tokens: int
+    token_ids: list[int]  # new tokens only
+    text: str
+    seconds: float  # wall time of the call, prefill included, tokenization excluded
+    tokens_per_second: float
+    forward_passes: int  # calls of the model's forward, counted by a hook
+    stop_reason: str  # "eos" or "max_new_tokens"
+    # Per iteration (engine methods; None for model.generate, which does not report them):
+    tokens_per_iteration: list[int] | None  # tokens emitted, the bonus token counted
+    drafted_per_iteration: list[int] | None  # drafts proposed (SDSAT's k; 0 for vanilla)
+    accepted_per_iteration: list[int] | None  # drafts accepted (bonus not counted)
+
+    @property
+    def tokens_per_forward_pass(self) -> float:
+        return self.new_tokens / self.forward_passes if self.forward_passes else float("nan")
+
+
+@contextlib.contextmanager
+def count_forward_passes(model: torch.nn.Module) -> Iterator[list[int]]:
+    """Count calls of `model.forward` inside the block; read the count from the yielded list."""
+    count = [0]
+
+    def hook(module, args, output):
+        count[0] += 1
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield count
+    finally:
+        handle.remove()
+
+
+def run_variant(engine: Engine, variant: Variant, prompt_ids: list[int], max_new_tokens: int,
+                seed: int | None = None, top_p: float = 1.0, lookup_ngram: int = 2,
+                prompt_index: int = -1, repeat: int = 0) -> Run:
+    """Generate once with `variant` and return the timed record."""
+    if variant.method in ("generate", "prompt_lookup"):
+        return _run_generate(engine, variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat)
+    return _run_engine(engine, variant, prompt_ids, max_new_tokens, seed, top_p, prompt_index, repeat)
+
+
+def _run_engine(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, seed, top_p, prompt_index, repeat) -> Run:
+    sampling = SamplingConfig()
+    if not variant.greedy:
+        sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
+    config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
+                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling)
+    with count_forward_passes(engine.model) as passes:
+        start = time.perf_counter()
+        result = run(engine.stream(prompt_ids, config))
+        seconds = _elapsed(engine.model, start)
+    return Run(prompt_index, repeat, variant.method, variant.k, variant.temperature,
+               None if variant.greedy else seed, len(result.token_ids), list(result.token_ids), result.text,
+               seconds, len(result.token_ids) / seconds, passes[0], result.stop_reason,
+               [len(s.tokens) for s in result.steps], [len(s.drafts) for s in result.steps],
+               [s.accepted for s in result.steps])
+
+
+def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat) -> Run:
+    model = engine.model
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)
+    # Every setting that could make generate differ from plain greedy is pinned, so the model's own
+    # generation_config (repetition penalty, sampling defaults) cannot leak in.
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, repetition_penalty=1.0,
+                    eos_token_id=engine.eos_ids, pad_token_id=_pad_id(engine))
+    if variant.method == "prompt_lookup":
+        settings.update(prompt_lookup_num_tokens=variant.k, max_matching_ngram_size=lookup_ngram)
+    config = GenerationConfig(**settings)
+    with count_forward_passes(model) as passes, torch.inference_mode():
+        start = time.perf_counter()
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+        seconds = _elapsed(model, start)
+    tokens = output[0, len(prompt_ids):].tolist()
+    stop = "eos" if tokens and tokens[-1] in engine.eos_ids else "max_new_tokens"
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    return Run(prompt_index, repeat, variant.method, variant.k, None, None, len(tokens), tokens, text, seconds,
+               len(tokens) / seconds, passes[0], stop, None, None, None)
+
+
+def _pad_id(engine: Engine) -> int:
+    pad = engine.tokenizer.pad_token_id
+    return pad if pad is not None else engine.eos_ids[0]
+
+
+def _elapsed(model: torch.nn.Module, start: float) -> float:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

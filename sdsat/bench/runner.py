@@ -1,0 +1,156 @@
+"""The benchmark loop: warm-up, then every variant on every prompt, interleaved prompt by prompt.
+
+Interleaving puts all methods of a prompt next to each other in time, so a drift in the machine's
+speed (another job starting, thermal throttling) hits them alike; the order of the variants is
+rotated from one prompt to the next so none always runs first or last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..engine import Engine
+from .humaneval import check_completion
+from .methods import GREEDY_METHODS, METHODS, Run, Variant, label_of, run_variant
+from .prompts import BenchPrompt
+
+
+@dataclass
+class BenchConfig:
+    """What to run on each prompt; the CLI fills this in."""
+
+    methods: list[str] = field(default_factory=lambda: list(METHODS))  # which of METHODS to race
+    k_list: list[int] | None = None  # sdsat_greedy's k sweep; None: 1..the SATs' max_k
+    sample_k: int = 4  # sdsat_sample's k (capped at the SATs' max_k)
+    temperatures: list[float] = field(default_factory=lambda: [0.2, 1.0])  # the paper's sampling temperatures
+    top_p: float = 1.0  # nucleus for the sampling methods (1: off)
+    seed: int = 0  # sampling seed of prompt i, repeat r: seed + 1000 * i + r (same for both samplers)
+    max_new_tokens: int = 256  # per generation; EOS may end it sooner
+    repeats: int = 1  # timed runs of each variant on each prompt
+    warmup_tokens: int = 16  # each variant generates this many tokens once before timing; 0 skips
+    lookup_tokens: int = 10  # prompt_lookup: prompt_lookup_num_tokens (drafts per step)
+    lookup_ngram: int = 2  # prompt_lookup: max_matching_ngram_size
+
+    def seed_for(self, prompt_index: int, repeat: int) -> int:
+        return self.seed + 1000 * prompt_index + repeat
+
+
+def encode_prompts(engine: Engine, prompts: list[BenchPrompt]) -> list[list[int]]:
+    return [engine.encode(p.text, chat=p.kind == "chat") for p in prompts]
+
+
+def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], config: BenchConfig) -> Iterator[Variant]:
+    """Run each variant once, untimed, so lazy initialisation and caches do not count; yields each one done."""
+    if config.warmup_tokens <= 0:
+        return
+    for variant in variants:
+        run_variant(engine, variant, prompt_ids, config.warmup_tokens, seed=config.seed, top_p=config.top_p,
+                    lookup_ngram=config.lookup_ngram)
+        yield variant
+
+
+def iterate_runs(engine: Engine, variants: list[Variant], prompt_ids: list[list[int]],
+                 config: BenchConfig) -> Iterator[Run]:
+    """Every variant on every prompt, `repeats` times; yields each run as it completes."""
+    for index, ids in enumerate(prompt_ids):
+        shift = index % len(variants)
+        order = variants[shift:] + variants[:shift]
+        for repeat in range(config.repeats):
+            for variant in order:
+                yield run_variant(engine, variant, ids, config.max_new_tokens, seed=config.seed_for(index, repeat),
+                                  top_p=config.top_p, lookup_ngram=config.lookup_ngram,
+                                  prompt_index=index, repeat=repeat)
+
+
+def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float = 10.0) -> dict:
+    """HumanEval pass@1 per variant from the first repeat of each prompt (one sample per problem).
+
+    Returns {"by_variant": {label: {"passed", "total", "pass_at_1"}}, "results": [per run verdict],
+    "greedy_equal": whether every greedy variant passed exactly the problems vanilla passed}.
+    Identical completions are executed once.
+    """
+    problems = {p.index: p.problem for p in prompts if p.problem is not None}
+    cache: dict[tuple[int, str], str] = {}
+    by_variant: dict[str, dict] = {}
+    results = []
+    passed_sets: dict[str, set[int]] = {}
+    for run in runs:
+        problem = problems.get(run["prompt_index"])
+        if problem is None or run["repeat"] != 0:
+            continue
+        key = (run["prompt_index"], run["text"])
+        if key not in cache:
+            cache[key] = check_completion(problem, run["text"], timeout=timeout).result
+        verdict = cache[key]
+        label = label_of(run["method"], run["k"], run["temperature"])
+        stats = by_variant.setdefault(label, {"passed": 0, "total": 0, "greedy": run["method"] in GREEDY_METHODS})
+        stats["total"] += 1
+        stats["passed"] += verdict == "passed"
+        if verdict == "passed":
+            passed_sets.setdefault(label, set()).add(run["prompt_index"])
+        results.append({"prompt_index": run["prompt_index"], "label": label, "result": verdict})
+    for stats in by_variant.values():
+        stats["pass_at_1"] = stats["passed"] / stats["total"]
+    greedy = [label for label, s in by_variant.items() if s["greedy"]]
+    reference = passed_sets.get("vanilla", set())
+    equal = all(passed_sets.get(label, set()) == reference for label in greedy)
+    return {"by_variant": by_variant, "results": results, "greedy_equal": equal, "timeout_seconds": timeout}
+
+
+def machine_info(engine: Engine) -> dict:
+    """The hardware and software every figure depends on."""
+    import transformers
+
+    param = next(engine.model.parameters())
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
+    }
+    if param.device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(param.device)
+    return info
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout the benchmark ran from, if it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_to_dict(run: Run) -> dict:
+    return asdict(run)

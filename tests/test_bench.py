@@ -1,0 +1,233 @@
+"""The benchmark: small real runs on the default model, asserting only what does not depend on the
+machine's speed (fields, identical greedy outputs, forward-pass counts), plus the pass@1 harness,
+Ctrl-C, and the performance check on the shipped adapter."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sdsat.bench import __main__ as cli
+from sdsat.bench.figures import build_figures, write_figures
+from sdsat.bench.humaneval import check_completion, truncate_completion
+from sdsat.bench.methods import GREEDY_METHODS, Variant, plan_variants
+from sdsat.bench.prompts import PromptFileError, file_prompts, humaneval_prompts, parse_subset
+from sdsat.bench.runner import BenchConfig, encode_prompts, iterate_runs, run_to_dict
+from sdsat.bench.stats import summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_ADAPTER = ROOT / "assets" / "adapters" / "smollm2-135m-instruct"
+CHAT_PROMPTS = ROOT / "assets" / "prompts" / "chat.jsonl"
+
+# The performance check CI can afford: SDSAT greedy on the shipped adapter must emit at least this
+# many tokens per forward pass (vanilla: 1.0; untrained SATs: 1.0). Set from the trained adapter's
+# measured figure with a safety margin.
+TOKENS_PER_FORWARD_PASS_FLOOR = 1.2
+PERF_K = 4  # drafts per step in the performance check
+PERF_PROMPTS = "0-3"  # HumanEval problems, never trained on
+PERF_TOKENS = 48
+
+RUN_FIELDS = {"prompt_index", "repeat", "method", "k", "temperature", "seed", "new_tokens", "token_ids", "text",
+              "seconds", "tokens_per_second", "forward_passes", "stop_reason", "tokens_per_iteration",
+              "drafted_per_iteration", "accepted_per_iteration"}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One small benchmark through the CLI: 2 HumanEval prompts, 8 tokens, every method."""
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["--limit", "2", "--max-new-tokens", "8", "--k", "1", "3", "--sample-k", "2", "--temperatures", "1.0",
+            "--warmup-tokens", "2", "--out-dir", str(out), "--no-png", "--quiet"]
+    import io
+    from contextlib import redirect_stdout
+
+    stdout = io.StringIO()
+    with redirect_stdout(stdout):
+        code = cli.main(argv)
+    return code, out, json.loads((out / "results.json").read_text()), stdout.getvalue()
+
+
+def test_bench_writes_every_field(bench_run):
+    code, out, payload, _ = bench_run
+    assert code == 0
+    assert payload["complete"] and not payload["interrupted"]
+    meta = payload["meta"]
+    for key in ("date", "command", "source", "model", "machine", "settings"):
+        assert key in meta
+    for key in ("cpu", "cores_available", "torch_threads", "torch", "transformers", "device", "dtype"):
+        assert key in meta["machine"]
+    assert meta["command"].startswith("python -m sdsat.bench --limit 2")
+    labels = {"vanilla", "generate", "prompt_lookup k=10", "sdsat_greedy k=1", "sdsat_greedy k=3",
+              "vanilla_sample T=1", "sdsat_sample k=2 T=1"}
+    assert {row["label"] for row in payload["summary"]["variants"]} == labels
+    assert len(payload["runs"]) == 2 * len(labels)
+    for run in payload["runs"]:
+        assert RUN_FIELDS <= set(run)
+        assert run["new_tokens"] == len(run["token_ids"]) > 0
+    for row in payload["summary"]["variants"]:
+        for key in ("median_tokens_per_second", "median_speedup", "tokens_per_forward_pass", "acceptance_by_position"):
+            assert key in row
+
+
+def test_greedy_outputs_identical_to_vanilla(bench_run):
+    _, _, payload, _ = bench_run
+    runs = payload["runs"]
+    vanilla = {r["prompt_index"]: r["token_ids"] for r in runs if r["method"] == "vanilla"}
+    greedy = [r for r in runs if r["method"] in GREEDY_METHODS]
+    assert len(greedy) == 2 * 5
+    for run in greedy:
+        assert run["token_ids"] == vanilla[run["prompt_index"]], run["method"]
+    assert payload["summary"]["all_greedy_identical"]
+    for row in payload["summary"]["variants"]:
+        if row["method"] in GREEDY_METHODS:
+            assert row["identical_to_vanilla"] == row["compared_to_vanilla"] == 2
+
+
+def test_forward_passes_are_counted_honestly(bench_run):
+    _, _, payload, _ = bench_run
+    rows = {row["label"]: row for row in payload["summary"]["variants"]}
+    assert rows["vanilla"]["tokens_per_forward_pass"] == 1.0
+    assert rows["generate"]["tokens_per_forward_pass"] == 1.0  # the hook sees model.generate's passes too
+    for run in payload["runs"]:
+        if run["method"].startswith("sdsat"):  # two passes (draft, verify) per iteration
+            assert run["forward_passes"] == 2 * len(run["tokens_per_iteration"])
+            assert sum(run["tokens_per_iteration"]) == run["new_tokens"]
+            assert all(d == run["k"] for d in run["drafted_per_iteration"])
+
+
+def test_pass_at_1_table_and_figures(bench_run):
+    _, out, payload, stdout = bench_run
+    p1 = payload["pass_at_1"]
+    assert p1["greedy_equal"]
+    assert p1["by_variant"]["vanilla"]["total"] == 2
+    assert p1["by_variant"]["vanilla"]["passed"] == p1["by_variant"]["sdsat_greedy k=3"]["passed"]
+    assert "| sdsat_greedy k=3 |" in stdout and "identical to vanilla" in stdout
+    assert (out / "results.md").read_text() in stdout
+    for name in ("speedup_vs_k", "tokens_per_second", "acceptance_by_position"):
+        assert (out / f"{name}.html").stat().st_size > 1000
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kaleido") is None or not shutil.which("chromium"),
+                    reason="PNG export needs kaleido and Chromium (make browser installs it)")
+def test_png_figures(bench_run, tmp_path):
+    _, _, payload, _ = bench_run
+    written, skipped = write_figures(build_figures(payload), tmp_path, png=True)
+    assert skipped is None
+    for name in ("speedup_vs_k", "tokens_per_second", "acceptance_by_position"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_harness_verdicts():
+    problem = humaneval_prompts(subset="HumanEval/0")[0].problem
+    assert check_completion(problem, problem["canonical_solution"]).result == "passed"
+    wrong = check_completion(problem, "    return False\n")
+    assert not wrong.passed and wrong.result.startswith("failed: AssertionError")
+    start = time.monotonic()
+    looping = check_completion(problem, "    while True:\n        pass\n", timeout=2)
+    assert looping.result == "timed out" and time.monotonic() - start < 10
+    assert check_completion(problem, problem["canonical_solution"] + "\ndef junk(:\n").passed  # cut at "\ndef"
+
+
+def test_truncate_completion():
+    assert truncate_completion("    return 1\n\ndef other():\n    pass") == "    return 1\n"
+    assert truncate_completion("    return 1\n```\nMore text") == "    return 1"
+    assert truncate_completion("    x = 1\n    return x\n") == "    x = 1\n    return x\n"
+
+
+def test_ctrl_c_keeps_completed_runs(tmp_path):
+    out = tmp_path / "interrupted"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "sdsat.bench", "--limit", "50", "--max-new-tokens", "4",
+                             "--methods", "vanilla", "generate", "--warmup-tokens", "0", "--out-dir", str(out),
+                             "--quiet", "--no-figures"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    results = out / "results.json"
+    try:
+        deadline = time.monotonic() + 240
+        while not results.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert proc.poll() is None, f"the benchmark ended early: {proc.stderr.read().decode()[-2000:]}"
+        assert results.exists(), "no prompt finished in time"
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 130, proc.stderr.read().decode()[-2000:]
+    payload = json.loads(results.read_text())
+    assert payload["interrupted"] and not payload["complete"]
+    assert len(payload["runs"]) >= 2
+    assert len(payload["runs"]) < 100
+    assert payload["summary"]["variants"]
+
+
+def test_prompt_files(tmp_path):
+    chat = file_prompts(CHAT_PROMPTS)
+    assert len(chat) >= 10 and all(p.kind == "chat" for p in chat)
+    assert [p.index for p in file_prompts(CHAT_PROMPTS, subset="2-3,0")] == [0, 1, 2]
+    assert [p.name for p in file_prompts(CHAT_PROMPTS, limit=2)] == [chat[0].name, chat[1].name]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n\n{"prompt": "x", "kind": "poem"}\n')
+    with pytest.raises(PromptFileError, match="line 3"):
+        file_prompts(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(PromptFileError, match="line 1"):
+        file_prompts(bad)
+    assert parse_subset("HumanEval/2,0-1", ["HumanEval/0", "HumanEval/1", "HumanEval/2"]) == [2, 0, 1]
+    with pytest.raises(ValueError, match="out of range"):
+        parse_subset("5", ["a"])
+
+
+def test_plan_variants_rejects_bad_settings():
+    variants = plan_variants(["sdsat_sample", "vanilla"], [1], 3, [0.2, 1.0], 10, max_k=8)
+    assert variants == [Variant("vanilla"), Variant("sdsat_sample", 3, 0.2), Variant("sdsat_sample", 3, 1.0)]
+    with pytest.raises(ValueError, match="unknown methods"):
+        plan_variants(["medusa"], [1], 1, [1.0], 10, max_k=8)
+    with pytest.raises(ValueError, match="outside 1..8"):
+        plan_variants(["sdsat_greedy"], [9], 1, [1.0], 10, max_k=8)
+
+
+def _run(prompt, method, k, tokens, tps, drafted=None, accepted=None):
+    return {"prompt_index": prompt, "repeat": 0, "method": method, "k": k, "temperature": None, "token_ids": tokens,
+            "new_tokens": len(tokens), "tokens_per_second": tps, "forward_passes": len(tokens),
+            "tokens_per_iteration": [1] * len(drafted) if drafted is not None else None,
+            "drafted_per_iteration": drafted, "accepted_per_iteration": accepted}
+
+
+def test_summary_metrics_and_loud_mismatch():
+    runs = [_run(0, "vanilla", 0, [1, 2, 3], 10.0), _run(1, "vanilla", 0, [4, 5], 20.0),
+            _run(0, "sdsat_greedy", 2, [1, 2, 3], 30.0, drafted=[2, 2, 2], accepted=[2, 1, 0]),
+            _run(1, "sdsat_greedy", 2, [4, 9], 20.0, drafted=[2], accepted=[0])]
+    summary = summarize(runs)
+    sdsat = next(r for r in summary["variants"] if r["method"] == "sdsat_greedy")
+    assert sdsat["median_speedup"] == pytest.approx(2.0)  # median of 3.0 and 1.0
+    assert sdsat["acceptance_by_position"] == pytest.approx([2 / 4, 1 / 4])
+    assert sdsat["identical_to_vanilla"] == 1 and sdsat["compared_to_vanilla"] == 2
+    assert summary["greedy_mismatches"] == [{"prompt_index": 1, "repeat": 0, "label": "sdsat_greedy k=2",
+                                             "first_difference": 1}]
+    assert not summary["all_greedy_identical"]
+
+
+@pytest.mark.skipif(not (SHIPPED_ADAPTER / "adapter_config.json").is_file(),
+                    reason="the shipped SAT adapter is not in assets/ yet")
+def test_performance_floor_on_shipped_adapter(default_engine):
+    """Not timed: SDSAT greedy with the shipped adapter must need clearly fewer forward passes per
+    token than vanilla on HumanEval prompts, and produce vanilla's exact output."""
+    assert default_engine.sat_trained
+    prompts = humaneval_prompts(subset=PERF_PROMPTS)
+    config = BenchConfig(max_new_tokens=PERF_TOKENS, warmup_tokens=0)
+    variants = [Variant("vanilla"), Variant("sdsat_greedy", k=min(PERF_K, default_engine.max_k))]
+    runs = [run_to_dict(r) for r in iterate_runs(default_engine, variants, encode_prompts(default_engine, prompts), config)]
+    summary = summarize(runs)
+    assert summary["all_greedy_identical"], summary["greedy_mismatches"]
+    sdsat = next(r for r in summary["variants"] if r["method"] == "sdsat_greedy")
+    assert sdsat["tokens_per_forward_pass"] >= TOKENS_PER_FORWARD_PASS_FLOOR, sdsat
