@@ -38,6 +38,9 @@ EXAMPLES = [
     ["Write a Python function that checks whether a number is prime.", True],
 ]
 
+EXAMPLE_LABELS = ["fibonacci (code)", "palindrome (code)", "softmax (code)", "web page (HTML)", "explain (chat)",
+                  "prime check (chat)"]
+
 
 def bench_outputs():
     view = load_bench()
@@ -65,7 +68,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 with gr.Row():
                     run_btn = gr.Button("Run the race", variant="primary", scale=2)
                     stop_btn = gr.Button("Stop", variant="stop", scale=1)
-                gr.Examples(EXAMPLES, inputs=[prompt, chat], label="Examples: code completion (as in the paper) and chat")
+                gr.Examples(EXAMPLES, inputs=[prompt, chat], label="Examples: code completion (as in the paper) and chat",
+                            example_labels=EXAMPLE_LABELS)
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
@@ -85,7 +89,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                    'then SDSAT — one after the other, never at the same time, because on a 2-core '
                                    'machine they would slow each other down. <b>Replay</b> then shows both on one clock.</div>',
                                    js_on_load=None)
-                with gr.Row(equal_height=True):
+                with gr.Row(equal_height=False):
                     with gr.Column(min_width=280):
                         gr.HTML('<div class="pane-title">Vanilla decoding <span class="muted">· one token per forward pass</span></div>', js_on_load=None)
                         vanilla_out = gr.HTML(waiting_html("Vanilla output appears here."), js_on_load=None, elem_id="vanilla-out")
@@ -105,11 +109,11 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
 
         gr.Markdown("### Plots")
         with gr.Row():
-            race_plot = gr.Plot(label="Latency race", elem_id="race-plot")
-            accepted_plot = gr.Plot(label="Tokens per iteration")
+            race_plot = gr.Plot(label="Latency race", show_label=False, elem_id="race-plot")
+            accepted_plot = gr.Plot(label="Tokens per iteration", show_label=False)
         with gr.Row():
-            position_plot = gr.Plot(label="Acceptance by draft position")
-            pass_plot = gr.Plot(label="Time per forward pass")
+            position_plot = gr.Plot(label="Acceptance by draft position", show_label=False)
+            pass_plot = gr.Plot(label="Time per forward pass", show_label=False)
         with gr.Accordion("Metrics, defined", open=False):
             gr.Markdown(
                 "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), measured inside the decoder.\n"
@@ -155,7 +159,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     next_btn.click(lambda r, i: page.step(r, i, +1), [record, iteration], [iteration, explorer_out], queue=False,
                    api_visibility="private")
     gr.api(page.generate, api_name="generate", concurrency_limit=limits.concurrency, concurrency_id="model")
-    demo.load(page.k_slider, model, k, api_visibility="private", concurrency_id="model")
+    demo.load(page.k_slider_if_loaded, model, k, api_visibility="private", queue=False)
     demo.load(bench_outputs, None, [bench_html, bench_gallery, *bench_plots, bench_files], api_visibility="private",
               queue=False)
 

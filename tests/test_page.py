@@ -74,6 +74,39 @@ def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server):
     assert client.predict(**(RACE_ARGS | dict(max_new_tokens=3)), api_name="/generate")["identical"] is True
 
 
+def test_concurrent_requests_each_get_their_own_result(server, default_engine):
+    from gradio_client import Client
+
+    from sdsat.decoding import DecodeConfig
+
+    client = Client(server, verbose=False)
+    prompts = ["def add(a, b):\n", "import os\n", "class Point:\n", "The capital of France is"]
+    jobs = [client.submit(**(RACE_ARGS | dict(prompt=p, max_new_tokens=4, k=1 + i)), api_name="/generate")
+            for i, p in enumerate(prompts)]
+    for prompt, job in zip(prompts, jobs):
+        data = job.result(timeout=600)
+        reference = default_engine.generate(prompt, DecodeConfig(method="vanilla", max_new_tokens=4))
+        assert data["identical"] is True and data["sdsat"]["token_ids"] == reference.token_ids
+
+
+def test_cancelled_race_frees_the_worker(server):
+    import time
+
+    from gradio_client import Client
+
+    client = Client(server, verbose=False)
+    values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k")] + [48, 1.0, 1.0, 0, 0, False]
+    job = client.submit(*values, api_name="/race")
+    deadline = time.monotonic() + 120
+    while not job.outputs() and time.monotonic() < deadline:  # wait until it streams
+        time.sleep(0.2)
+    job.cancel()
+    start = time.monotonic()
+    data = client.predict(**(RACE_ARGS | dict(max_new_tokens=2)), api_name="/generate")
+    assert data["identical"] is True
+    assert time.monotonic() - start < 60  # not queued behind 48 abandoned tokens of two decoders
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_race(server):
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -86,7 +119,6 @@ def test_browser_race(server):
             prompt = page.get_by_label("Prompt", exact=True)
             prompt.fill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
             page.locator("#max-new input[type=number]").fill("40")
-            page.get_by_label("Show rejected drafts (struck through)").check()
             page.get_by_role("button", name="Run the race").click()
             page.locator(".check.ok").wait_for(timeout=300_000)
             assert "Identical output: checked" in page.locator(".check.ok").inner_text()
@@ -99,6 +131,10 @@ def test_browser_race(server):
             page.locator("#explorer").get_by_text("Iteration 2 of").wait_for(timeout=10_000)
             page.screenshot(path=str(SCREENS / "race.png"), full_page=True)
             page.locator("#explorer").screenshot(path=str(SCREENS / "explorer.png"))
+            page.get_by_label("Show rejected drafts (struck through)").check()
+            page.locator("#sdsat-out .tok.src-rejected").first.wait_for(timeout=10_000)
+            page.locator("#sdsat-out").hover()
+            page.locator("#sdsat-out").screenshot(path=str(SCREENS / "sdsat_rejected.png"))
 
             # Markup in the prompt (and so in the explorer's context) stays text; no handler runs.
             page.evaluate("window.__xss = 0")

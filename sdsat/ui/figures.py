@@ -12,11 +12,11 @@ COLORS = {"vanilla": "#64748b", "sdsat": "#7c3aed", "verified": "#3b82f6", "draf
           "rejected": "#ef4444"}
 
 
-def _layout(fig: go.Figure, title: str, x: str, y: str, height: int = 300) -> go.Figure:
+def _layout(fig: go.Figure, title: str, x: str, y: str, height: int = 340) -> go.Figure:
     fig.update_layout(
         title=dict(text=title, font=dict(size=14)), template="plotly_white", height=height,
-        margin=dict(l=50, r=15, t=45, b=45), xaxis_title=x, yaxis_title=y,
-        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0), font=dict(size=12))
+        margin=dict(l=50, r=15, t=40, b=90), xaxis_title=x, yaxis_title=y,
+        legend=dict(orientation="h", yanchor="top", y=-0.3, xanchor="left", x=0.0), font=dict(size=12))
     return fig
 
 
@@ -38,7 +38,7 @@ def race_figure(vanilla: Sequence[StepRecord], sdsat: Sequence[StepRecord]) -> g
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines+markers" if name == "sdsat" else "lines",
                                  line=dict(color=COLORS[name], width=3, shape="hv"), marker=dict(size=5),
                                  name=label, hovertemplate="%{y} tokens at %{x:.2f} s<extra>" + label + "</extra>"))
-    return _layout(fig, "Latency race: tokens generated vs wall time (runs replayed on one clock)", "seconds", "tokens")
+    return _layout(fig, "Latency race: tokens vs wall time (both runs on one clock)", "seconds", "tokens")
 
 
 def accepted_figure(steps: Sequence[StepRecord]) -> go.Figure:
@@ -82,7 +82,7 @@ def pass_figure(vanilla: Sequence[StepRecord], sdsat: Sequence[StepRecord]) -> g
     if tail:  # keep the prefill pass from squashing the rest
         top = sorted(tail)[int(0.98 * (len(tail) - 1))] * 1.6
         fig.update_yaxes(range=[0, top])
-    return _layout(fig, "Time per forward pass (first pass = prefill, may be off the chart)", "pass number within its kind", "ms")
+    return _layout(fig, "Time per forward pass (pass 1 reads the prompt; may be off the chart)", "pass number within its kind", "ms")
 
 
 def empty_figure(message: str) -> go.Figure:

@@ -49,6 +49,10 @@ class Page:
         engine = self._engine(model)
         return gr.Slider(minimum=1, maximum=engine.max_k, step=1, value=min(5, engine.max_k))
 
+    def k_slider_if_loaded(self, model: str):
+        """On page load: the k range of an already loaded model, without waiting behind running races."""
+        return self.k_slider(model) if self.cache.is_loaded(model) else gr.skip()
+
     def prepare(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed):
         """Check the settings, load the model, encode the prompt: (engine, request, prompt_ids)."""
         try:

@@ -34,7 +34,7 @@ CSS = """
 .src-verified { background: #dbeafe; box-shadow: inset 0 -2px 0 #3b82f6; }
 .src-draft { background: #d1fae5; box-shadow: inset 0 -2px 0 #10b981; }
 .src-bonus { background: #fef3c7; box-shadow: inset 0 -2px 0 #f59e0b; }
-.src-rejected { background: #fee2e2; color: #b91c1c; text-decoration: line-through; text-decoration-thickness: 2px; opacity: .85; }
+.src-rejected { margin: 0 1px; background: #fee2e2; color: #b91c1c; text-decoration: line-through; text-decoration-thickness: 2px; opacity: .85; }
 .iter { border-left: 2px solid #a78bfa; margin-left: 1px; padding-left: 1px; }
 .iter-mark { display: inline-block; width: 2px; height: 14px; background: #a78bfa; vertical-align: middle; }
 
@@ -45,13 +45,14 @@ CSS = """
 
 /* headline */
 .headline { display: flex; flex-direction: column; gap: 8px; }
-.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(170px, 1fr)); gap: 10px; }
+.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(140px, 1fr)); gap: 8px; }
 .card { background: #ffffff; border: 1px solid #e2e8f0; border-radius: 12px; padding: 10px 14px; color: #0f172a; }
-.card .value { font-size: 26px; font-weight: 700; letter-spacing: -0.02em; }
+.card .value { font-size: 22px; white-space: nowrap; font-weight: 700; letter-spacing: -0.02em; }
 .card .label { font-size: 13px; font-weight: 600; color: #334155; }
 .card .note { font-size: 11.5px; color: #64748b; margin-top: 2px; }
 .card.accent { background: linear-gradient(135deg, #f5f3ff, #ede9fe); border-color: #c4b5fd; }
 .card.accent .value { color: #6d28d9; }
+.why { font-size: 12.5px; }
 .check { border-radius: 10px; padding: 9px 14px; font-size: 14px; }
 .check.ok { background: #ecfdf5; border: 1px solid #6ee7b7; color: #065f46; font-weight: 600; }
 .check.bad { background: #fef2f2; border: 1px solid #fca5a5; color: #991b1b; font-weight: 600; }
@@ -72,7 +73,8 @@ CSS = """
 .ex-context, .ex-result { margin: 8px 0; display: flex; flex-wrap: wrap; gap: 4px; align-items: center; }
 .ex-label { font-weight: 600; color: #334155; margin-right: 6px; }
 .ex-scroll { overflow-x: auto; }
-.ex-table { border-collapse: separate; border-spacing: 4px 4px; }
+.ex-table { border-collapse: separate !important; border-spacing: 4px 4px; border: none !important; margin: 0 !important; }
+.ex-table tr, .ex-table td, .ex-table th { border: none !important; background: transparent !important; padding: 3px 4px !important; }
 .ex-table th { font-size: 12px; color: #64748b; font-weight: 600; text-align: center; }
 .ex-table th.row { text-align: right; padding-right: 8px; white-space: nowrap; color: #334155; }
 .ex-table td { text-align: center; vertical-align: top; min-width: 62px; }
