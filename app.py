@@ -46,7 +46,7 @@ def bench_outputs():
     view = load_bench()
     plots = [gr.Plot(value=f, visible=True) for f in view.figures[:MAX_BENCH_PLOTS]]
     plots += [gr.Plot(visible=False)] * (MAX_BENCH_PLOTS - len(plots))
-    return (view.html, gr.Gallery(value=view.images or None, visible=bool(view.images)), *plots,
+    return (view.html + view.frames, gr.Gallery(value=view.images or None, visible=bool(view.images)), *plots,
             gr.File(value=view.downloads or None, visible=bool(view.downloads)))
 
 

@@ -223,3 +223,12 @@ def test_benchmark_tab_without_and_with_results(tmp_path):
     view = benchmark.load_bench(tmp_path)
     assert "sdsat&lt;script&gt;" in view.html and "1.23" in view.html and "2 vCPU &lt;b&gt;" in view.html
     assert len(view.figures) == 1 and view.images == [str(tmp_path / "speedup.png")]
+    # the benchmark's own format: notes as a list, HTML figures without a PNG twin embedded in a sandbox
+    (tmp_path / "summary.json").write_text(json.dumps({"rows": [{"method": "vanilla"}], "notes": ["a < b", "c"],
+                                                       "command": "python -m sdsat.bench"}))
+    (tmp_path / "tokens_per_second.html").write_text('<html><script>var x = "</iframe>";</script></html>')
+    view = benchmark.load_bench(tmp_path)
+    assert "<li>a &lt; b</li>" in view.html and "<code>python -m sdsat.bench</code>" in view.html
+    assert view.frames.count("<iframe") == 1 and 'sandbox="allow-scripts"' in view.frames
+    assert "</iframe>\";" not in view.frames  # the figure cannot close its frame early
+    assert str(tmp_path / "tokens_per_second.html") in view.downloads

@@ -1,9 +1,10 @@
 """The Benchmark tab: the project's own results, read from files in assets/bench/ (never recomputed here).
 
-What it reads: `summary.json` (a list of result rows, or an object with a "rows" / "results" list;
-other top-level scalars and small objects are shown as notes), every `*.png` as an image, and every
-plotly figure saved as `*.json` (an object with "data" and "layout") as an interactive plot. Other
-files, such as standalone HTML figures, are offered for download.
+What it reads (the format `python -m sdsat.bench` writes): `summary.json` (a list of result rows, or
+an object with a "rows" / "results" list; its other fields, such as machine, model and notes, are
+shown under the table), every `NAME.png` as an image, every standalone plotly `NAME.html` without a
+PNG twin as an embedded, sandboxed frame, and every plotly figure saved as `NAME.json` (an object
+with "data" and "layout") as a native plot. `results.md` and other tables are offered for download.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class BenchView:
     images: list[str] = field(default_factory=list)  # PNG paths
     figures: list = field(default_factory=list)  # plotly figures
     downloads: list[str] = field(default_factory=list)  # other result files
+    frames: str = ""  # standalone HTML figures, each in a sandboxed iframe
 
 
 def _rows_of(summary) -> tuple[list[dict], dict]:
@@ -67,19 +69,33 @@ def load_bench(folder: Path = BENCH_DIR) -> BenchView:
     rows, notes = _rows_of(summary)
     parts = [table_html(rows)] if rows else []
     if notes:
-        items = "".join(f"<li><b>{esc(str(k))}</b>: {_cell(v)}</li>" for k, v in notes.items())
-        parts.append(f'<ul class="bench-notes">{items}</ul>')
+        parts.append(f'<ul class="bench-notes">{"".join(_note(k, v) for k, v in notes.items())}</ul>')
     view = BenchView("".join(parts) or '<div class="check info">summary.json holds no rows.</div>')
+    frames = []
     for path in sorted(folder.iterdir()):
         if path.suffix == ".png":
             view.images.append(str(path))
+        elif path.suffix == ".html" and not path.with_suffix(".png").is_file() and path.stat().st_size < _MAX_FIGURE_BYTES:
+            # The benchmark's own file; sandboxed anyway, and escaped so it stays one attribute value.
+            frames.append(f'<iframe class="bench-frame" sandbox="allow-scripts" title="{esc(path.stem)}" '
+                          f'srcdoc="{esc(path.read_text(errors="replace"))}"></iframe>')
         elif path.suffix == ".json" and path.name != SUMMARY and path.stat().st_size < _MAX_FIGURE_BYTES:
             figure = _plotly_figure(path)
             if figure is not None:
                 view.figures.append(figure)
-        elif path.suffix in (".html", ".csv", ".jsonl"):
+        if path.suffix in (".html", ".md", ".csv"):
             view.downloads.append(str(path))
+    view.frames = "".join(frames)
     return view
+
+
+def _note(key, value) -> str:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        inner = "".join(f"<li>{esc(v)}</li>" for v in value)
+        return f"<li><b>{esc(str(key))}</b><ul>{inner}</ul></li>"
+    if key == "command":
+        return f"<li><b>command</b>: <code>{esc(str(value))}</code></li>"
+    return f"<li><b>{esc(str(key))}</b>: {_cell(value)}</li>"
 
 
 def _plotly_figure(path: Path):

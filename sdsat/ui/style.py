@@ -101,6 +101,8 @@ CSS = """
 .bench-table { border-collapse: collapse; font-size: 13px; color: #0f172a; background: #fff; }
 .bench-table th, .bench-table td { border: 1px solid #e2e8f0; padding: 4px 8px; text-align: right; }
 .bench-table th { background: #f8fafc; }
+.bench-notes { font-size: 13px; color: var(--body-text-color); }
+.bench-frame { width: 100%; height: 480px; border: 1px solid #e2e8f0; border-radius: 10px; background: #fff; margin-top: 10px; }
 """
 
 LAUNCH = {"theme": THEME, "css": CSS}
