@@ -88,15 +88,16 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 headline = gr.HTML('<div class="check info">Press <b>Run the race</b>. Vanilla decoding runs first, '
                                    'then SDSAT — one after the other, never at the same time, because on a 2-core '
                                    'machine they would slow each other down. <b>Replay</b> then shows both on one clock.</div>',
-                                   js_on_load=None)
+                                   js_on_load=None, label="headline")
                 with gr.Row(equal_height=False):
                     with gr.Column(min_width=280):
                         gr.HTML('<div class="pane-title">Vanilla decoding <span class="muted">· one token per forward pass</span></div>', js_on_load=None)
-                        vanilla_out = gr.HTML(waiting_html("Vanilla output appears here."), js_on_load=None, elem_id="vanilla-out")
+                        vanilla_out = gr.HTML(waiting_html("Vanilla output appears here."), js_on_load=None, elem_id="vanilla-out",
+                                              label="vanilla_output")
                     with gr.Column(min_width=280):
                         gr.HTML('<div class="pane-title">SDSAT <span class="muted">· draft with SATs, verify in one pass</span></div>', js_on_load=None)
                         sdsat_out = gr.HTML(waiting_html("SDSAT output appears here, coloured by where each token came from."),
-                                            js_on_load=None, elem_id="sdsat-out")
+                                            js_on_load=None, elem_id="sdsat-out", label="sdsat_output")
                 gr.HTML(legend_html(), js_on_load=None)
                 replay_btn = gr.Button("▶ Replay both on one clock, at the measured speed", size="sm")
 
@@ -105,7 +106,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             prev_btn = gr.Button("◀ previous", size="sm", scale=0, min_width=110)
             iteration = gr.Slider(1, 2, value=1, step=1, label="Iteration", interactive=False, scale=4)
             next_btn = gr.Button("next ▶", size="sm", scale=0, min_width=110)
-        explorer_out = gr.HTML(page.explore(None, 1), js_on_load=None, elem_id="explorer")
+        explorer_out = gr.HTML(page.explore(None, 1), js_on_load=None, elem_id="explorer", label="step_explorer")
 
         gr.Markdown("### Plots")
         with gr.Row():
