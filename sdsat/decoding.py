@@ -10,6 +10,10 @@ SDSAT iteration (paper, section 3.3), with `pending` the tokens not yet in the c
   2. verify: feed [t, d_1..d_k]. Accept the longest prefix of drafts the model agrees with, plus the
      model's own next token (the bonus), which becomes `pending`. Drop the rejected drafts.
 Each iteration costs two forward passes and emits 2 + accepted tokens.
+
+The fused scheme (not in the paper; `DecodeConfig.scheme = "fused"`) folds the next draft step into
+the verify pass: after one draft pass, every pass verifies k drafts and drafts the next k, emitting
+1 + accepted tokens per forward pass. Both schemes are lossless.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache
 
+from .layout import SatLayout
 from .prompts import StopChecker
 from .sampling import SamplingConfig, TokenChooser
 from .sat import SatModel
 
 METHODS = ("vanilla", "sdsat")
+SCHEMES = ("two_step", "fused")
 
 
 @dataclass
@@ -38,13 +44,16 @@ class DecodeConfig:
     max_new_tokens: int = 128  # stop after this many new tokens
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy unless do_sample
     stop_strings: list[str] = field(default_factory=list)  # stop once the output contains one
-    adaptive_k: bool = False  # SDSAT: shrink / grow k from recent acceptance (k is the upper bound)
+    scheme: str = "two_step"  # SDSAT: "two_step" (the paper: draft pass, then verify pass) or "fused"
+    adaptive_k: bool = False  # SDSAT two_step: shrink / grow k from recent acceptance (k is the upper bound)
 
     def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= max_new_tokens_limit:
             raise ValueError(f"max_new_tokens must be between 1 and {max_new_tokens_limit}, got {self.max_new_tokens}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {self.scheme!r}")
         if self.method == "sdsat":
             if max_k is None:
                 raise ValueError("SDSAT decoding needs a model with adaptive tokens (a SAT spec or adapter)")
@@ -216,7 +225,8 @@ def _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop) -> 
         while True:
             kv_before = cache.get_seq_length()
             t0 = clock.now()
-            logits = model(input_ids=torch.tensor([pending], device=device), cache=cache, use_cache=True).logits
+            logits = model(input_ids=torch.tensor([pending], device=device), cache=cache, use_cache=True,
+                           logits_to_keep=1).logits
             tokens, probs = chooser.choose(logits[0, -1:])
             t1 = clock.now()
             prefill_seconds = prefill_seconds or t1 - t0
@@ -232,55 +242,55 @@ def _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop) -> 
 
 
 def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_stop) -> Iterator[Event]:
-    model = sat_model.model
+    """The paper's two-step scheme, or the fused one (see `_fused_pass`), per `config.scheme`."""
     device = sat_model.device
     chooser = TokenChooser(config.sampling, device)
     stop = StopChecker(tokenizer, eos_ids, config.max_new_tokens, config.stop_strings)
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=sat_model.model.config)
     clock = _Clock(device)
     steps: list[StepRecord] = []
     pending = list(prompt_ids)  # tokens not yet in the cache: the prompt, then each bonus token
-    k_policy = _KPolicy(config.k, adaptive=config.adaptive_k)
+    k_policy = _KPolicy(config.k, adaptive=config.adaptive_k and config.scheme == "two_step")
+    drafts = q = None  # the fused scheme carries the next drafts from one pass to the next
     prefill_seconds = 0.0
     with torch.inference_mode():
         while True:
             k = k_policy.next_k()
             kv_before = cache.get_seq_length()
-            # 1. Draft: [pending, SAT x k] gives the certain token t and the drafts d_1..d_k.
+            emitted, sources, probs, pass_seconds = [], [], [], []
             t0 = clock.now()
-            n = len(pending)
-            ids = torch.tensor([pending + [0] * k], device=device)
-            slots = torch.cat([torch.full((n,), -1, device=device), sat_model.sat_block(k)])[None]
-            logits = sat_model.forward(ids, slots, cache=cache)[0]  # (n + k, V)
-            _rollback(cache, kv_before + n)  # the SATs leave the cache
-            t_tok, t_prob = chooser.choose(logits[n - 1:n])
-            q = chooser.probs(logits[n:])  # (k, V): q_i, the SAT's distribution for draft i
-            drafts = torch.multinomial(q, 1, generator=chooser.generator).squeeze(-1) if config.sampling.do_sample else q.argmax(-1)
+            if drafts is None:
+                # 1. Draft: [pending, SAT x k] gives the certain token t and the drafts d_1..d_k.
+                t_tok, t_prob, q, drafts = _draft_pass(sat_model, chooser, cache, pending, k)
+                emitted, sources, probs = [int(t_tok[0])], ["verified"], [float(t_prob[0])]
+                pending = [int(t_tok[0])]
+                pass_seconds.append(clock.now() - t0)
+                prefill_seconds = prefill_seconds or pass_seconds[0]
+            # 2. Verify [t, d_1..d_k]: p after t and after each draft (fused: and the next drafts).
             t1 = clock.now()
-            prefill_seconds = prefill_seconds or t1 - t0
-            # 2. Verify: [t, d_1..d_k] gives p after t and after each draft.
-            verify_ids = torch.cat([t_tok, drafts])[None]
-            p = chooser.probs(sat_model.forward(verify_ids, cache=cache)[0])  # (k + 1, V)
-            accepted, bonus = chooser.accept(p, q, drafts)
+            base = cache.get_seq_length()
+            verified_drafts, verified_q = drafts, q
+            if config.scheme == "fused":
+                p, accepted, bonus, q, drafts = _fused_pass(sat_model, chooser, cache, pending[0], verified_drafts, verified_q)
+            else:
+                p = chooser.probs(sat_model.forward(torch.cat([torch.tensor(pending, device=device), drafts])[None], cache=cache)[0])
+                accepted, bonus = chooser.accept(p, q, drafts)  # p: (k + 1, V) model; q: (k, V) SATs
+                drafts = q = None
             # 3. Keep t and the accepted drafts in the cache; the bonus is the next pending token.
-            _rollback(cache, kv_before + n + 1 + accepted)
+            _rollback(cache, base + 1 + accepted)
             t2 = clock.now()
-            # 4. Emit t, accepted drafts, bonus, cut where vanilla decoding would stop.
-            draft_list = drafts.tolist()
-            emitted = [int(t_tok[0])] + draft_list[:accepted] + [bonus]
-            sources = ["verified"] + ["draft"] * accepted + ["bonus"]
-            probs = [float(t_prob[0])] + [float(p[i, draft_list[i]]) for i in range(accepted)] + [float(p[accepted, bonus])]
-            done = False
-            for count, token in enumerate(emitted, 1):
-                if stop.add(token):
-                    done = True
-                    emitted, sources, probs = emitted[:count], sources[:count], probs[:count]
-                    break
+            pass_seconds.append(t2 - t1)
+            # 4. Emit accepted drafts and the bonus, cut where vanilla decoding would stop.
+            draft_list = verified_drafts.tolist()
+            emitted += draft_list[:accepted] + [bonus]
+            sources += ["draft"] * accepted + ["bonus"]
+            probs += [float(p[i, draft_list[i]]) for i in range(accepted)] + [float(p[accepted, bonus])]
+            emitted, sources, probs, done = _cut_at_stop(stop, emitted, sources, probs)
             steps.append(StepRecord(
-                index=len(steps), kv_len_before=kv_before, k=k, drafts=draft_list,
-                draft_probs=q[torch.arange(k), drafts].tolist(), predictions=p.argmax(-1).tolist(),
-                accepted=accepted, tokens=emitted, sources=sources, probs=probs,
-                pass_seconds=[t1 - t0, t2 - t1], kv_len=cache.get_seq_length(), elapsed=t2 - clock.start))
+                index=len(steps), kv_len_before=kv_before, k=len(draft_list), drafts=draft_list,
+                draft_probs=verified_q[torch.arange(len(draft_list)), verified_drafts].tolist(),
+                predictions=p.argmax(-1).tolist(), accepted=accepted, tokens=emitted, sources=sources, probs=probs,
+                pass_seconds=pass_seconds, kv_len=cache.get_seq_length(), elapsed=t2 - clock.start))
             yield steps[-1]
             if done or (should_stop is not None and should_stop()):
                 break
@@ -288,6 +298,61 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             k_policy.update(accepted, k)
             pending = [bonus]
     yield _result(config, config.k, prompt_ids, stop, steps, clock, prefill_seconds, tokenizer)
+
+
+def _draft_pass(sat_model: SatModel, chooser: TokenChooser, cache, pending: list[int], k: int):
+    """Step 1: feed [pending, SAT x k]; returns t (1,), p(t) (1,), q (k, V) and drafts (k,).
+
+    The pending tokens stay in the cache, the SATs leave it.
+    """
+    device = sat_model.device
+    kv_before, n = cache.get_seq_length(), len(pending)
+    ids = torch.tensor([pending + [0] * k], device=device)
+    slots = torch.cat([torch.full((n,), -1, device=device), sat_model.sat_block(k)])[None]
+    logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=k + 1)[0]  # (1 + k, V)
+    _rollback(cache, kv_before + n)
+    t_tok, t_prob = chooser.choose(logits[:1])
+    q = chooser.probs(logits[1:])  # q_i: the SAT's distribution for draft i
+    return t_tok, t_prob, q, _drafts_from(chooser, q)
+
+
+def _drafts_from(chooser: TokenChooser, q: torch.Tensor) -> torch.Tensor:
+    """(k, V) draft distributions -> (k,) drafts: sampled when sampling, else argmax."""
+    if chooser.config.do_sample:
+        return torch.multinomial(q, 1, generator=chooser.generator).squeeze(-1)
+    return q.argmax(-1)
+
+
+def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, drafts: torch.Tensor, q: torch.Tensor):
+    """Verify the drafts and draft the next block in one forward pass.
+
+    Feeds [c, d_1..d_k] followed by one run of k SATs anchored at each of c, d_1, ..., d_k (a small
+    tree: one branch per possible accepted length a). Once verification has fixed a, the run
+    anchored at d_a (c for a = 0) has seen exactly the accepted context, so its SATs are valid
+    drafts for the tokens after the bonus. Each pass then yields a + 1 tokens and the next drafts.
+    Returns p (k + 1, V), accepted a, the bonus token, next q (k, V) and next drafts (k,).
+    """
+    device = sat_model.device
+    k = len(drafts)
+    kv_before = cache.get_seq_length()
+    layout = SatLayout.runs_at(k + 1, torch.arange(k + 1), k)
+    block = torch.cat([torch.tensor([c], device=device), drafts, torch.zeros(layout.num_sats, dtype=torch.long, device=device)])
+    mask = layout.attention_mask().to(device)  # (1, 1, T, T) within the block; the cache is visible to all
+    mask = torch.cat([torch.ones(*mask.shape[:3], kv_before, dtype=torch.bool, device=device), mask], -1)
+    logits = sat_model.forward(block[None], layout.sat_slots.to(device), cache=cache, attention_mask=mask,
+                               position_ids=layout.position_ids.to(device) + kv_before)[0]
+    p = chooser.probs(logits[:k + 1])
+    accepted, bonus = chooser.accept(p, q, drafts)
+    next_q = chooser.probs(logits[k + 1 + accepted * k:k + 1 + (accepted + 1) * k])
+    return p, accepted, bonus, next_q, _drafts_from(chooser, next_q)
+
+
+def _cut_at_stop(stop: StopChecker, tokens: list[int], sources: list[str], probs: list[float]):
+    """Feed tokens to the stop checker; cut them (and their sources / probs) after the last one."""
+    for count, token in enumerate(tokens, 1):
+        if stop.add(token):
+            return tokens[:count], sources[:count], probs[:count], True
+    return tokens, sources, probs, False
 
 
 class _KPolicy:

@@ -8,7 +8,8 @@ from conftest import make_tiny_llama
 from sdsat.decoding import DecodeConfig, decode, run
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from sdsat.train.data import Corpus, HumanEvalFilter
-from sdsat.train.examples import SatLayout, sample_layout
+from sdsat.layout import SatLayout
+from sdsat.train.examples import sample_layout
 from sdsat.train.trainer import TrainConfig, draft_acceptance, prepare, sat_logits, train
 
 VOCAB = 24

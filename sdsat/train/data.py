@@ -86,7 +86,7 @@ def function_prompts(documents: Iterable[str], keep: HumanEvalFilter, limit: int
             text = "".join(lines[start - 1:body0.end_lineno])
             indent = len(text) - len(text.lstrip())
             text = "".join(line[indent:] if line[:indent].isspace() else line for line in text.splitlines(keepends=True))
-            if 40 < len(text) < 1500 and not keep(text):
+            if 40 < len(text) < 800 and not keep(text):
                 prompts.append(text)
     rng.shuffle(prompts)
     return prompts[:limit]

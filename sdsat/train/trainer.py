@@ -29,7 +29,8 @@ from transformers import DynamicCache
 from ..models import DEFAULT_MODEL, LoadConfig, load_model
 from ..sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from .data import Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts, self_distill, stdlib_files
-from .examples import SatLayout, sample_layout
+from ..layout import SatLayout
+from .examples import sample_layout
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +165,7 @@ def draft_acceptance(sat_model: SatModel, windows: torch.Tensor, num_sats: int, 
     n = windows.shape[1]
     anchors = torch.arange(0, n - num_sats - 2, stride)
     runs = len(anchors)
-    layout = SatLayout(n=n, anchor=anchors.repeat_interleave(num_sats), slot=torch.arange(num_sats).repeat(runs),
-                       run=torch.arange(runs).repeat_interleave(num_sats))
+    layout = SatLayout.runs_at(n, anchors, num_sats)
     targets = layout.target_positions.to(windows.device)
     teacher, student = sat_logits(sat_model, windows, layout, targets, frozen_base=True)
     match = (teacher.argmax(-1) == student.argmax(-1)).view(windows.shape[0], runs, num_sats)
