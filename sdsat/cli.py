@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .decoding import METHODS, DecodeConfig
+    from .decoding import METHODS, SCHEMES, DecodeConfig
     from .models import DEFAULT_MODEL
 
     parser = _Parser(prog="python -m sdsat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--method", default="sdsat", choices=METHODS, help="decoder (default sdsat)")
     what.add_argument("--k", type=int, help="adaptive tokens (drafts) per SDSAT step, 1..the SATs' largest k "
                       f"(default {DecodeConfig.k}, or that largest k if smaller)")
-    what.add_argument("--adaptive-k", action="store_true", help="SDSAT: adapt k to recent acceptance, up to --k")
+    what.add_argument("--scheme", default="two_step", choices=SCHEMES,
+                      help="SDSAT: two_step (the paper: draft pass, then verify pass) or fused (verify and draft "
+                           "the next block in one pass); default two_step")
+    what.add_argument("--adaptive-k", action="store_true", help="SDSAT two_step: adapt k to recent acceptance, up to --k")
     what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
                       help=f"stop after this many new tokens (default {DecodeConfig.max_new_tokens})")
     what.add_argument("--stop", action="append", default=[], metavar="STR",
@@ -110,7 +113,7 @@ def decode_config(args: argparse.Namespace, max_k: int | None = None):
                               top_k=0 if args.top_k is None else args.top_k, seed=args.seed)
     k = args.k if args.k is not None else min(DecodeConfig.k, max_k or DecodeConfig.k)
     config = DecodeConfig(method=args.method, k=k, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k)
+                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k, scheme=args.scheme)
     if max_k is None:
         replace(config, method="vanilla").validate()
     else:

@@ -42,7 +42,7 @@ class TrainConfig:
     mode: str = "adapter"  # "adapter" (frozen base, lossless) or "paper" (fine-tune the model)
     model: str = DEFAULT_MODEL  # the embedded default, a hub id or a local folder
     out: str = "runs/sat-smollm2"  # run folder: corpus, checkpoint, record, adapter
-    num_sats: int = 8  # SATs trained = largest k the decoder may use
+    num_sats: int = 5  # SATs trained = largest k the decoder may use
     rank: int = 8  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
     alpha: float = 16.0  # adapter: LoRA scale numerator
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
@@ -51,22 +51,22 @@ class TrainConfig:
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
-    steps: int = 600  # optimizer steps
-    batch_size: int = 4  # sequences per step
+    steps: int = 320  # optimizer steps
+    batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
-    runs_per_seq: int = 24  # SAT runs inserted per sequence
-    lr: float = 2e-3  # peak learning rate (cosine decay after warm-up)
-    warmup: int = 30  # warm-up steps
+    runs_per_seq: int = 40  # SAT runs inserted per sequence
+    lr: float = 3e-3  # peak learning rate (cosine decay after warm-up)
+    warmup: int = 20  # warm-up steps
     seed: int = 0  # seeds data, layouts and initialisation
-    code_files: int = 400  # standard-library files for the raw-code source
-    code_prompts: int = 256  # function signatures + docstrings for self-distillation
-    chat_prompts: int = 192  # chat instructions for self-distillation
-    distill_tokens: int = 160  # new tokens per self-distilled completion
+    code_files: int = 300  # standard-library files for the raw-code source
+    code_prompts: int = 64  # function signatures + docstrings for self-distillation
+    chat_prompts: int = 64  # chat instructions for self-distillation
+    distill_tokens: int = 128  # new tokens per self-distilled completion
     distill_batch: int = 32  # completions generated at once
     weights: dict[str, float] = field(default_factory=lambda: {"code": 0.2, "code_completions": 0.5, "chat_completions": 0.3})
     held_out: int = 8  # sequences per source kept for evaluation
-    eval_every: int = 50  # steps between acceptance evaluations
-    checkpoint_every: int = 25  # steps between checkpoints
+    eval_every: int = 40  # steps between acceptance evaluations
+    checkpoint_every: int = 10  # steps between checkpoints
 
     def validate(self) -> None:
         if self.mode not in ("adapter", "paper"):
