@@ -33,10 +33,10 @@ SPEC_FILE = "sat_spec.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
-# Which rows of the current forward pass are SATs: a (B, T, 1) float mask, or None when none are.
-# A ContextVar rather than an attribute on the model, so concurrent requests in different threads
-# never see each other's mask.
-_SAT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("sat_rows", default=None)
+# The SAT rows of the current forward pass: ((B, T, 1) float mask, (B, T) slot of each row), or None
+# when there are none. A ContextVar rather than an attribute on the model, so concurrent requests in
+# different threads never see each other's rows.
+_SAT_ROWS: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = contextvars.ContextVar("sat_rows", default=None)
 
 
 @dataclass
@@ -87,14 +87,18 @@ class AdapterConfig:
     rank: int = 8  # LoRA rank of the SAT-only updates (0: embeddings only)
     alpha: float = 16.0  # LoRA scale numerator; the update is scaled by alpha / rank
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
-    layers: list[int] | None = None  # decoder layers that get updates; None means all
+    layers: list[int] | None = None  # decoder layers that get updates; None means inject_layer and above
+    inject_layer: int = 0  # the SAT embeddings enter here: 0 is the input; above 0 they are added to the
+    # residual stream entering that decoder layer, SAT rows start from a fixed token embedding, and
+    # training backpropagates through the layers from inject_layer up only (much cheaper on a CPU)
 
 
 class SatAdapter(nn.Module):
     """Learned SAT embeddings plus low-rank updates that only touch SAT rows.
 
     The updates are forward hooks on the base model's linear layers: ``y = W x + m * (x A) B * s``
-    with ``m`` the SAT-row mask, so standard rows get ``W x + 0`` and stay bit-identical.
+    with ``m`` the SAT-row mask, so standard rows get ``W x + 0`` and stay bit-identical. With
+    ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows entering that layer.
     """
 
     def __init__(self, config: AdapterConfig):
@@ -103,6 +107,8 @@ class SatAdapter(nn.Module):
         self.embeddings = nn.Parameter(torch.zeros(config.num_sats, config.hidden_size))  # (K, H)
         self.lora_a = nn.ParameterDict()  # "layer_module" -> (in, r)
         self.lora_b = nn.ParameterDict()  # "layer_module" -> (r, out); zero-initialised
+        # Input embedding of every SAT row when the SAT embeddings are injected higher up; fixed.
+        self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
@@ -117,7 +123,9 @@ class SatAdapter(nn.Module):
         emb = model.get_input_embeddings().weight
         with torch.no_grad():
             row = emb[init_token_id] if init_token_id is not None else emb.mean(0)
-            adapter.embeddings.copy_(row.float().expand_as(adapter.embeddings))
+            adapter.base_embedding.copy_(row.float())
+            if config.inject_layer == 0:
+                adapter.embeddings.copy_(row.float().expand_as(adapter.embeddings))
         if config.rank > 0:
             gen = torch.Generator().manual_seed(0)
             for key, linear in _target_linears(model, config):
@@ -135,7 +143,31 @@ class SatAdapter(nn.Module):
         for key, linear in _target_linears(model, self.config):
             if key not in self.lora_a:
                 raise ValueError(f"SAT adapter has no weights for {key}; it was saved for another layout")
+            want = [(linear.in_features, self.config.rank), (self.config.rank, linear.out_features)]
+            have = [tuple(self.lora_a[key].shape), tuple(self.lora_b[key].shape)]
+            if have != want:
+                raise ValueError(f"SAT adapter weights for {key} have shapes {have[0]} and {have[1]}, but this model "
+                                 f"needs {want[0]} and {want[1]}: the adapter was saved for another model")
             self._handles.append(linear.register_forward_hook(self._make_hook(key)))
+        if self.config.inject_layer > 0:
+            layer = _decoder_layers(model)[self.config.inject_layer]
+            self._handles.append(layer.register_forward_pre_hook(self._inject, with_kwargs=True))
+
+    def input_embeddings(self, slots: torch.Tensor) -> torch.Tensor:
+        """(B, T) SAT slots -> (B, T, H) what the SAT rows feed into the first layer."""
+        if self.config.inject_layer == 0:
+            return self.embeddings[slots]
+        return self.base_embedding.expand(*slots.shape, -1)
+
+    def _inject(self, module: nn.Module, args: tuple, kwargs: dict):
+        current = _SAT_ROWS.get()
+        if current is None:
+            return None
+        rows, slots = current
+        added = self.embeddings[slots] * rows  # (B, T, H): zero on standard rows
+        if args:
+            return (args[0] + added, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + added}
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -144,10 +176,10 @@ class SatAdapter(nn.Module):
 
     def _make_hook(self, key: str):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
-            rows = _SAT_ROWS.get()
-            if rows is None:
+            current = _SAT_ROWS.get()
+            if current is None:
                 return None
-            x = inputs[0] * rows  # (B, T, in): standard rows zeroed
+            x = inputs[0] * current[0]  # (B, T, in): standard rows zeroed
             return output + (x @ self.lora_a[key]) @ self.lora_b[key] * self.scale
 
         return hook
@@ -155,7 +187,7 @@ class SatAdapter(nn.Module):
     def save(self, folder: str | Path) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {"embeddings": self.embeddings}
+        tensors = {"embeddings": self.embeddings, "base_embedding": self.base_embedding}
         tensors.update({f"lora_a.{k}": v for k, v in self.lora_a.items()})
         tensors.update({f"lora_b.{k}": v for k, v in self.lora_b.items()})
         save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS_FILE))
@@ -178,6 +210,8 @@ class SatAdapter(nn.Module):
         if "embeddings" not in tensors or tuple(tensors["embeddings"].shape) != expected:
             raise ValueError(f"SAT adapter in {folder}: embeddings must have shape {expected}")
         adapter.embeddings.data = tensors.pop("embeddings")
+        if "base_embedding" in tensors:
+            adapter.base_embedding.copy_(tensors.pop("base_embedding"))
         for name, tensor in tensors.items():
             part, _, key = name.partition(".")
             if part not in ("lora_a", "lora_b"):
@@ -195,6 +229,8 @@ def check_shapes(model: nn.Module, config: AdapterConfig) -> None:
             f"SAT adapter is for a model with hidden size {config.hidden_size} and {config.num_layers} layers "
             f"(base model {config.base_model!r}), but this model has hidden size {hidden} and {layers} layers"
         )
+    if not 0 <= config.inject_layer < layers:
+        raise ValueError(f"SAT adapter inject_layer must be between 0 and {layers - 1}, got {config.inject_layer}")
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -204,7 +240,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[str, nn.Linear]]:
     layers = _decoder_layers(model)
-    indices = range(len(layers)) if config.layers is None else config.layers
+    indices = range(config.inject_layer, len(layers)) if config.layers is None else config.layers
     if config.rank == 0:
         return
     for i in indices:
@@ -214,9 +250,9 @@ def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[s
 
 
 @contextlib.contextmanager
-def sat_rows(mask: torch.Tensor | None) -> Iterator[None]:
-    """Mark which rows of the forward pass run inside this block are SATs."""
-    token = _SAT_ROWS.set(mask)
+def sat_rows(mask: torch.Tensor, slots: torch.Tensor) -> Iterator[None]:
+    """Mark which rows of the forward pass run inside this block are SATs ((B, T, 1) mask, (B, T) slots)."""
+    token = _SAT_ROWS.set((mask, slots))
     try:
         yield
     finally:
@@ -272,8 +308,9 @@ class SatModel:
             ids = torch.as_tensor(self.spec.sat_ids, device=input_ids.device)
             input_ids = torch.where(is_sat, ids[sat_slots.clamp(min=0)], input_ids)
             return self.model(input_ids=input_ids, **kwargs).logits
+        slots = sat_slots.clamp(min=0)
         embed = self.model.get_input_embeddings()(input_ids.masked_fill(is_sat, 0))  # (B, T, H)
-        sat_embed = self.adapter.embeddings[sat_slots.clamp(min=0)]  # (B, T, H)
+        sat_embed = self.adapter.input_embeddings(slots)  # (B, T, H)
         embeds = torch.where(is_sat.unsqueeze(-1), sat_embed.to(embed.dtype), embed)
-        with sat_rows(is_sat.unsqueeze(-1).to(embed.dtype)):
+        with sat_rows(is_sat.unsqueeze(-1).to(embed.dtype), slots):
             return self.model(inputs_embeds=embeds, **kwargs).logits

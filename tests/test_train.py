@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_tiny_llama
 
@@ -15,9 +16,9 @@ from sdsat.train.trainer import TrainConfig, draft_acceptance, prepare, sat_logi
 VOCAB = 24
 
 
-def random_adapter_model(model, num_sats: int = 4, seed: int = 0) -> SatModel:
+def random_adapter_model(model, num_sats: int = 4, seed: int = 0, inject_layer: int = 0) -> SatModel:
     config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
-                           num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4)
+                           num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4, inject_layer=inject_layer)
     adapter = SatAdapter.for_model(model, config, init_token_id=3)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -41,9 +42,10 @@ def test_layout_mask_lets_each_sat_see_its_prefix_and_earlier_sats_of_its_run():
         assert int(layout.target_positions[row]) == p + 1 + j and p + j + 2 <= n - 1
 
 
-def test_standard_logits_are_unchanged_by_inserted_sat_runs():
+@pytest.mark.parametrize("inject_layer", [0, 1])
+def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer):
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model)
+    sat_model = random_adapter_model(model, inject_layer=inject_layer)
     ids = torch.randint(2, 64, (2, 30), generator=torch.Generator().manual_seed(0))
     layout = sample_layout(30, runs=6, run_length=4, generator=torch.Generator().manual_seed(2))
     plain = model(input_ids=ids).logits
@@ -55,10 +57,11 @@ def test_standard_logits_are_unchanged_by_inserted_sat_runs():
     assert (sats_one - sats_cached).abs().max() < 1e-5
 
 
-def test_sat_logits_in_training_equal_the_decoders_draft_step():
+@pytest.mark.parametrize("inject_layer", [0, 1])
+def test_sat_logits_in_training_equal_the_decoders_draft_step(inject_layer):
     """The SAT j the trainer scores is the SAT j the decoder drafts with."""
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model, num_sats=4)
+    sat_model = random_adapter_model(model, num_sats=4, inject_layer=inject_layer)
     ids = torch.randint(2, 64, (1, 16), generator=torch.Generator().manual_seed(3))
     p = 9
     layout = SatLayout(n=16, anchor=torch.full((4,), p), slot=torch.arange(4), run=torch.zeros(4, dtype=torch.long))
@@ -123,6 +126,7 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
     frozen = {k: v.clone() for k, v in base.state_dict().items()}
 
     config = TrainConfig(mode="adapter", model="tiny", out=str(tmp_path / "adapter"), num_sats=3, rank=4, sat_token="<file_sep>",
+                         inject_layer=1,
                          steps=160, batch_size=8, seq_len=32, runs_per_seq=8, lr=1e-2, warmup=10,
                          weights={"counting": 1.0}, held_out=4, eval_every=80, checkpoint_every=80)
     half = TrainConfig(**{**config.__dict__, "steps": 160})
@@ -138,9 +142,10 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
     assert resumed["steps"][159]["loss"] == record["steps"][159]["loss"]
 
 
-def test_adapter_save_load_round_trip_drafts_exactly_as_before(tmp_path):
+@pytest.mark.parametrize("inject_layer", [0, 1])
+def test_adapter_save_load_round_trip_drafts_exactly_as_before(tmp_path, inject_layer):
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model, num_sats=4)
+    sat_model = random_adapter_model(model, num_sats=4, inject_layer=inject_layer)
     prompt = torch.randint(2, 64, (1, 8), generator=torch.Generator().manual_seed(4))
     slots = torch.cat([torch.full((8,), -1), torch.arange(4)])[None]
     block = torch.cat([prompt, torch.zeros(1, 4, dtype=torch.long)], 1)

@@ -46,12 +46,13 @@ class TrainConfig:
     rank: int = 8  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
     alpha: float = 16.0  # adapter: LoRA scale numerator
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
-    layers: list[int] | None = None  # adapter: decoder layers with updates; None for all
+    layers: list[int] | None = None  # adapter: decoder layers with updates; None for inject_layer and above
+    inject_layer: int = 22  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
-    steps: int = 320  # optimizer steps
+    steps: int = 200  # optimizer steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
     runs_per_seq: int = 40  # SAT runs inserted per sequence
@@ -180,7 +181,8 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[torch
     if config.mode == "adapter":
         adapter_config = AdapterConfig(base_model=config.model, hidden_size=model.get_input_embeddings().weight.shape[1],
                                        num_layers=model.config.num_hidden_layers, num_sats=config.num_sats, rank=config.rank,
-                                       alpha=config.alpha, target_modules=list(config.target_modules), layers=config.layers)
+                                       alpha=config.alpha, target_modules=list(config.target_modules), layers=config.layers,
+                                       inject_layer=config.inject_layer)
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
         sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
