@@ -50,9 +50,15 @@ def bench_run(tmp_path_factory):
     import io
     from contextlib import redirect_stdout
 
+    import torch
+
+    threads = torch.get_num_threads()  # --threads 1 keeps it fast on a busy machine; restored after
     stdout = io.StringIO()
-    with redirect_stdout(stdout):
-        code = cli.main(argv)
+    try:
+        with redirect_stdout(stdout):
+            code = cli.main(argv + ["--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
     return code, out, json.loads((out / "results.json").read_text()), stdout.getvalue()
 
 
@@ -147,7 +153,7 @@ def test_ctrl_c_keeps_completed_runs(tmp_path):
     out = tmp_path / "interrupted"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "sdsat.bench", "--limit", "50", "--max-new-tokens", "4",
-                             "--methods", "vanilla", "generate", "--warmup-tokens", "0", "--out-dir", str(out),
+                             "--methods", "vanilla", "generate", "--warmup-tokens", "0", "--threads", "1", "--out-dir", str(out),
                              "--quiet", "--no-figures"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     results = out / "results.json"

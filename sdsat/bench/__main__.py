@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-QUICK = dict(limit=3, max_new_tokens=48, k=[2, 4, 6], sample_k=4, temperatures=[1.0], repeats=1, warmup_tokens=8)
+QUICK = dict(limit=3, max_new_tokens=32, k=[2, 4, 6], sample_k=4, temperatures=[1.0], repeats=1, warmup_tokens=4)
 DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures=[0.2, 1.0], repeats=1,
                 warmup_tokens=16)
 
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     how.add_argument("--repeats", type=int, help="timed runs per prompt and method (default 1)")
     how.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up run per method (default 16; 0: none)")
     how.add_argument("--quick", action="store_true",
-                     help="a few minutes on 2 CPU cores: 3 prompts, 48 tokens, k 2 4 6, T 1.0 (explicit options win)")
+                     help="a few minutes on 2 CPU cores: 3 prompts, 32 tokens, k 2 4 6, T 1.0 (explicit options win)")
     how.add_argument("--pass-at-1", action=argparse.BooleanOptionalAction, default=None,
                      help="score HumanEval pass@1 (default: on for HumanEval)")
     how.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program (default 10)")
@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--adapter", help="SAT adapter folder (default: the model's own or the shipped one)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    model.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    model.add_argument("--threads", type=int,
+                       help="torch threads (default: torch's choice); on a busy machine 1 avoids oversubscription")
     out = parser.add_argument_group("output")
     out.add_argument("--out-dir", default="runs/bench", help="figures, results.md and results.json (default runs/bench)")
     out.add_argument("--json", metavar="OUT", help="results JSON path (default OUT_DIR/results.json)")

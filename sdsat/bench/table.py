@@ -9,6 +9,10 @@ def _num(value, fmt: str = ".2f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{fmt}}{suffix}"
 
 
+def _load(values) -> str:
+    return "–" if not values else f"{values[0]:.1f}"  # the 1-minute figure
+
+
 def _acceptance(row: dict, positions: int = 4) -> str:
     acc = row["acceptance_by_position"][:positions]
     return " ".join(f"{a:.2f}" for a in acc) + (" …" if len(row["acceptance_by_position"]) > positions else "") if acc else "–"
@@ -23,7 +27,9 @@ def markdown_table(payload: dict) -> str:
         f"**{meta['source']}**, {len(payload['prompts'])} prompts, up to {settings['max_new_tokens']} new tokens, "
         f"{settings['repeats']} repeat(s); model `{meta['model']['name']}` ({machine['dtype']}, {machine['device']}); "
         f"{machine['cpu']}, {machine['cores_available']} cores, {machine['torch_threads']} torch threads; "
-        f"torch {machine['torch']}, transformers {machine['transformers']}; {meta['date']}.",
+        f"torch {machine['torch']}, transformers {machine['transformers']}; load average "
+        f"{_load(machine.get('load_average_at_start'))} at start, {_load(machine.get('load_average_at_end'))} at end; "
+        f"{meta['date']}.",
         "",
         "| method | tokens/s (median) | speed-up vs vanilla (median, min–max) | tokens / forward pass "
         "| mean tokens / iteration (bonus counted) | acceptance by draft position 1.. | identical to vanilla | HumanEval pass@1 |",
