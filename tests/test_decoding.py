@@ -14,14 +14,16 @@ accept none, some or all of their drafts.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 
 from conftest import make_tiny_llama
-from sdsat.decoding import DecodeConfig, GenerationResult, StepRecord, decode, run
+from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, decode, run
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 
 VOCAB = 64
@@ -101,8 +103,12 @@ def generate_reference(model, prompt: list[int], max_new_tokens: int, eos: list[
     return out[0, len(prompt):].tolist()
 
 
-def check_records(result: GenerationResult, prompt: list[int], sdsat: bool) -> None:
-    """The records add up, and after every iteration the cache holds exactly the accepted tokens."""
+def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, scheme: str = "two_step") -> None:
+    """The records add up, and after every iteration the cache holds exactly the accepted tokens.
+
+    Fused scheme: only the first iteration has a draft pass (and a "verified" token); later ones
+    are one pass that emits accepted drafts and the bonus.
+    """
     steps = result.steps
     assert [t for s in steps for t in s.tokens] == result.token_ids
     assert sum(len(s.tokens) for s in steps) == len(result.token_ids)
@@ -124,21 +130,24 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool) -> N
             assert step.drafts[:step.accepted] == step.predictions[:step.accepted]
             if step.accepted < step.k:
                 assert step.drafts[step.accepted] != step.predictions[step.accepted]
-            full = ["verified"] + ["draft"] * step.accepted + ["bonus"]
+            drafted = scheme == "two_step" or i == 0  # this iteration began with a draft pass
+            head = ["verified"] if drafted else []
+            full = head + ["draft"] * step.accepted + ["bonus"]
             # Only the last iteration may be cut short (by EOS, the token budget or a stop string).
             assert step.sources == (full[:len(step.tokens)] if last else full)
-            assert step.tokens[1:1 + step.accepted] == step.drafts[:step.accepted][:len(step.tokens) - 1]
+            assert step.tokens[len(head):len(head) + step.accepted] == step.drafts[:step.accepted][:len(step.tokens) - len(head)]
             if len(step.tokens) == len(full):
                 assert step.tokens[-1] == step.predictions[step.accepted]  # the bonus
-            assert step.forward_passes == 2
-            # In the cache: prompt, earlier tokens, t and the accepted drafts; the bonus is pending.
-            assert step.kv_len == len(prompt) + emitted + 1 + step.accepted
+            assert step.forward_passes == (2 if drafted else 1)
+            # In the cache: prompt, earlier tokens, t (or the last bonus) and the accepted drafts.
+            assert step.kv_len == len(prompt) + emitted + len(head) + step.accepted
             if not last:
                 assert step.kv_len == len(prompt) + emitted + len(step.tokens) - 1
         emitted += len(step.tokens)
-    assert result.forward_passes == (2 if sdsat else 1) * len(steps)
+    passes = {False: len(steps), True: 2 * len(steps) if scheme == "two_step" else len(steps) + 1}[sdsat]
+    assert result.forward_passes == passes
     counts = Counter(src for s in steps for src in s.sources)
-    assert counts["verified"] == len(steps)
+    assert counts["verified"] == (len(steps) if scheme == "two_step" or not sdsat else 1)
     assert counts["verified"] + counts["draft"] + counts["bonus"] == len(result.token_ids)
     assert counts["draft"] <= sum(s.accepted for s in steps)
 
@@ -157,11 +166,12 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
             assert vanilla.token_ids == reference
             assert vanilla.stop_reason == ("eos" if eos_ids else "max_new_tokens")
             check_records(vanilla, prompt, sdsat=False)
-            for k in range(1, MAX_K + 1):
-                sdsat = run(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", k, budget), eos_ids))
-                assert sdsat.token_ids == reference, f"k={k} prompt={prompt} eos={eos_ids}"
+            for k, scheme in itertools.product(range(1, MAX_K + 1), SCHEMES):
+                config = replace(greedy("sdsat", k, budget), scheme=scheme)
+                sdsat = run(decode(sat_model, TOKENIZER, prompt, config, eos_ids))
+                assert sdsat.token_ids == reference, f"k={k} scheme={scheme} prompt={prompt} eos={eos_ids}"
                 assert (sdsat.text, sdsat.stop_reason) == (vanilla.text, vanilla.stop_reason)
-                check_records(sdsat, prompt, sdsat=True)
+                check_records(sdsat, prompt, sdsat=True, scheme=scheme)
                 stats["accepted"] += sum(s.accepted for s in sdsat.steps)
                 stats["rejected"] += sum(len(s.rejected) for s in sdsat.steps)
                 last = sdsat.steps[-1]

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
                       help=f"any of {', '.join(METHODS)} (default: all)")
     what.add_argument("--k", nargs="+", type=int, help="sdsat_greedy's k sweep (default: 1..the SATs' max k)")
+    what.add_argument("--schemes", nargs="+", default=["two_step"], metavar="SCHEME",
+                      help="SDSAT schemes to race: two_step (the paper) and/or fused (default two_step)")
     what.add_argument("--sample-k", type=int, help="sdsat_sample's k (default 4, capped at the max k)")
     what.add_argument("--temperatures", nargs="+", type=float, help="sampling temperatures (default 0.2 1.0)")
     what.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling (default 1: off)")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                          lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram)
     try:
         variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
-                                 config.lookup_tokens, engine.max_k)
+                                 config.lookup_tokens, engine.max_k, tuple(args.schemes))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"name": engine.name, "adapter": engine.sat_model.spec.adapter, "sat_kind": engine.sat_model.spec.kind,
                   "sat_trained": engine.sat_trained, "max_k": engine.max_k},
         "machine": machine_info(engine),
-        "settings": {"methods": config.methods, "k": k_list, "sample_k": config.sample_k,
+        "settings": {"methods": config.methods, "k": k_list, "schemes": args.schemes, "sample_k": config.sample_k,
                      "temperatures": config.temperatures, "top_p": config.top_p, "seed": config.seed,
                      "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
                      "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,

@@ -34,11 +34,15 @@ def speedup_vs_k(payload: dict) -> go.Figure:
     """Median speed-up over vanilla against k for SDSAT; the other methods as horizontal lines."""
     rows = payload["summary"]["variants"]
     fig = go.Figure()
-    greedy = sorted((r for r in rows if r["method"] == "sdsat_greedy"), key=lambda r: r["k"])
-    if greedy:
+    for scheme in ("two_step", "fused"):
+        greedy = sorted((r for r in rows if r["method"] == "sdsat_greedy" and r.get("scheme", "two_step") == scheme),
+                        key=lambda r: r["k"])
+        if not greedy:
+            continue
         fig.add_trace(go.Scatter(
             x=[r["k"] for r in greedy], y=[r["median_speedup"] for r in greedy], mode="lines+markers",
-            name="sdsat_greedy", customdata=[[r["tokens_per_forward_pass"], r["mean_tokens_per_iteration"]] for r in greedy],
+            name="sdsat_greedy" + (" (fused)" if scheme == "fused" else ""),
+            customdata=[[r["tokens_per_forward_pass"], r["mean_tokens_per_iteration"]] for r in greedy],
             hovertemplate="k=%{x}<br>speed-up %{y:.2f}×<br>tokens/forward pass %{customdata[0]:.2f}"
                           "<br>tokens/iteration %{customdata[1]:.2f}<extra></extra>"))
     for row in rows:

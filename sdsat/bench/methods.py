@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from transformers import GenerationConfig
 
-from ..decoding import DecodeConfig, run
+from ..decoding import SCHEMES, DecodeConfig, run
 from ..engine import Engine
 from ..sampling import SamplingConfig
 
@@ -38,6 +38,7 @@ class Variant:
     method: str  # one of METHODS
     k: int = 0  # drafts per step: SDSAT's k, prompt lookup's prompt_lookup_num_tokens; 0 if none
     temperature: float | None = None  # sampling methods only
+    scheme: str = "two_step"  # SDSAT methods: "two_step" (the paper) or "fused" (see sdsat.decoding)
 
     @property
     def greedy(self) -> bool:
@@ -45,17 +46,17 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return label_of(self.method, self.k, self.temperature)
+        return label_of(self.method, self.k, self.temperature, self.scheme)
 
 
-def label_of(method: str, k: int, temperature: float | None) -> str:
-    """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2"."""
+def label_of(method: str, k: int, temperature: float | None, scheme: str = "two_step") -> str:
+    """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2" or "sdsat_greedy k=3 fused"."""
     parts = [method] + ([f"k={k}"] if k else []) + ([f"T={temperature:g}"] if temperature is not None else [])
-    return " ".join(parts)
+    return " ".join(parts + (["fused"] if scheme == "fused" else []))
 
 
 def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
-                  lookup_tokens: int, max_k: int) -> list[Variant]:
+                  lookup_tokens: int, max_k: int, schemes: tuple[str, ...] = ("two_step",)) -> list[Variant]:
     """The variants of a run, in a fixed order (vanilla first when present)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -63,6 +64,8 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
     too_big = [k for k in k_list + ([sample_k] if "sdsat_sample" in methods else []) if not 1 <= k <= max_k]
     if any(m.startswith("sdsat") for m in methods) and too_big:
         raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
+    if not schemes or any(s not in SCHEMES for s in schemes):
+        raise ValueError(f"schemes must be among {', '.join(SCHEMES)}, got {list(schemes)}")
     if any(not t > 0 for t in temperatures):
         raise ValueError(f"temperatures must be above 0, got {temperatures}")
     variants: list[Variant] = []
@@ -72,11 +75,11 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         if method == "prompt_lookup":
             variants.append(Variant(method, k=lookup_tokens))
         elif method == "sdsat_greedy":
-            variants.extend(Variant(method, k=k) for k in sorted(set(k_list)))
+            variants.extend(Variant(method, k=k, scheme=s) for s in schemes for k in sorted(set(k_list)))
         elif method == "vanilla_sample":
             variants.extend(Variant(method, temperature=t) for t in temperatures)
         elif method == "sdsat_sample":
-            variants.extend(Variant(method, k=sample_k, temperature=t) for t in temperatures)
+            variants.extend(Variant(method, k=sample_k, temperature=t, scheme=s) for s in schemes for t in temperatures)
         else:
             variants.append(Variant(method))
     return variants
@@ -103,6 +106,7 @@ class Run:
     tokens_per_iteration: list[int] | None  # tokens emitted, the bonus token counted
     drafted_per_iteration: list[int] | None  # drafts proposed (SDSAT's k; 0 for vanilla)
     accepted_per_iteration: list[int] | None  # drafts accepted (bonus not counted)
+    scheme: str = "two_step"  # SDSAT methods: the decoding scheme
 
     @property
     def tokens_per_forward_pass(self) -> float:
@@ -138,7 +142,7 @@ def _run_engine(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, se
     if not variant.greedy:
         sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
     config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
-                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling)
+                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling, scheme=variant.scheme)
     with count_forward_passes(engine.model) as passes:
         start = time.perf_counter()
         result = run(engine.stream(prompt_ids, config))
@@ -147,7 +151,7 @@ def _run_engine(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, se
                None if variant.greedy else seed, len(result.token_ids), list(result.token_ids), result.text,
                seconds, len(result.token_ids) / seconds, passes[0], result.stop_reason,
                [len(s.tokens) for s in result.steps], [len(s.drafts) for s in result.steps],
-               [s.accepted for s in result.steps])
+               [s.accepted for s in result.steps], scheme=variant.scheme)
 
 
 def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat) -> Run:

@@ -90,7 +90,7 @@ def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float
         if key not in cache:
             cache[key] = check_completion(problem, run["text"], timeout=timeout).result
         verdict = cache[key]
-        label = label_of(run["method"], run["k"], run["temperature"])
+        label = label_of(run["method"], run["k"], run["temperature"], run.get("scheme", "two_step"))
         stats = by_variant.setdefault(label, {"passed": 0, "total": 0, "greedy": run["method"] in GREEDY_METHODS})
         stats["total"] += 1
         stats["passed"] += verdict == "passed"

@@ -21,7 +21,7 @@ from .methods import GREEDY_METHODS, METHODS, label_of
 
 
 def variant_key(run: dict) -> tuple:
-    return (run["method"], run["k"], run["temperature"])
+    return (run["method"], run["k"], run["temperature"], run.get("scheme", "two_step"))
 
 
 def _per_prompt_tps(runs: list[dict]) -> dict[int, float]:
@@ -61,15 +61,16 @@ def summarize(runs: list[dict]) -> dict:
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         groups.setdefault(variant_key(run), []).append(run)
-    vanilla_tps = _per_prompt_tps(groups.get(("vanilla", 0, None), []))
+    vanilla_key = ("vanilla", 0, None, "two_step")
+    vanilla_tps = _per_prompt_tps(groups.get(vanilla_key, []))
     lookup_tps = next((_per_prompt_tps(g) for key, g in groups.items() if key[0] == "prompt_lookup"), None)
     reference: dict[int, list[int]] = {}  # per prompt, the output of vanilla's first repeat
-    for run in sorted(groups.get(("vanilla", 0, None), []), key=lambda r: r["repeat"]):
+    for run in sorted(groups.get(vanilla_key, []), key=lambda r: r["repeat"]):
         reference.setdefault(run["prompt_index"], run["token_ids"])
     rows, mismatches = [], []
-    order = sorted(groups, key=lambda key: (METHODS.index(key[0]), key[1], key[2] or 0.0))
-    for method, k, temperature in order:
-        group = groups[(method, k, temperature)]
+    order = sorted(groups, key=lambda key: (METHODS.index(key[0]), key[3], key[1], key[2] or 0.0))
+    for method, k, temperature, scheme in order:
+        group = groups[(method, k, temperature, scheme)]
         tps = _per_prompt_tps(group)
         speedups = _speedups(tps, vanilla_tps)
         tokens = sum(r["new_tokens"] for r in group)
@@ -78,7 +79,8 @@ def summarize(runs: list[dict]) -> dict:
         iterations = sum(len(r["tokens_per_iteration"]) for r in stepped)
         drafted, accepted = _acceptance(group)
         row = {
-            "label": label_of(method, k, temperature), "method": method, "k": k, "temperature": temperature,
+            "label": label_of(method, k, temperature, scheme), "method": method, "k": k, "temperature": temperature,
+            "scheme": scheme,
             "runs": len(group), "prompts": len(tps), "new_tokens": tokens, "forward_passes": passes,
             "median_tokens_per_second": statistics.median(tps.values()),
             "median_speedup": statistics.median(speedups) if speedups else None,
@@ -93,7 +95,7 @@ def summarize(runs: list[dict]) -> dict:
             ratios = _speedups(tps, lookup_tps)
             row["median_speedup_vs_prompt_lookup"] = statistics.median(ratios) if ratios else None
         if method == "sdsat_sample":
-            base = _per_prompt_tps(groups.get(("vanilla_sample", 0, temperature), []))
+            base = _per_prompt_tps(groups.get(("vanilla_sample", 0, temperature, "two_step"), []))
             ratios = _speedups(tps, base)
             row["median_speedup_vs_vanilla_sample"] = statistics.median(ratios) if ratios else None
         if method in GREEDY_METHODS:

@@ -74,7 +74,7 @@ def notes(payload: dict) -> list[str]:
             out.append("- Greedy outputs were not checked against vanilla: vanilla was not run.")
     best = best_sdsat_greedy(summary)
     if best is not None:
-        line = (f"- Best SDSAT greedy setting: k={best['k']}, {best['median_speedup']:.2f}× vanilla, "
+        line = (f"- Best SDSAT greedy setting: {best['label'].removeprefix('sdsat_greedy ')}, {best['median_speedup']:.2f}× vanilla, "
                 f"{best['tokens_per_forward_pass']:.2f} tokens per forward pass, "
                 f"{best['mean_tokens_per_iteration']:.2f} tokens per iteration (bonus counted)")
         if best.get("median_speedup_vs_prompt_lookup") is not None:
