@@ -142,9 +142,10 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
                              SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
         config = decode_config(args, max_k=engine.max_k)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
+        events = engine.stream(prompt_ids, config)  # checks the prompt against the model's context
     held.release()
     text = _StreamedText(engine.tokenizer, out if not args.json else None)
-    for event in engine.stream(prompt_ids, config):
+    for event in events:
         if isinstance(event, GenerationResult):
             result = event
         else:

@@ -202,9 +202,29 @@ def decode(sat_model: SatModel | torch.nn.Module, tokenizer, prompt_ids: list[in
     config.validate(max_k=max_k)
     if not prompt_ids:
         raise ValueError("prompt must contain at least one token")
+    check_context(len(prompt_ids), config, getattr(_model_of(sat_model).config, "max_position_embeddings", None))
     if config.method == "vanilla":
         return _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop)
     return _sdsat(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop)
+
+
+def check_context(prompt_len: int, config: DecodeConfig, max_context: int | None) -> None:
+    """Refuse a request whose positions would run past the model's context (None: no known limit).
+
+    Vanilla feeds at most prompt + max_new_tokens positions; SDSAT's last verify pass also holds the
+    k drafts, and the fused scheme's SAT runs reach up to 2k positions past the bonus token.
+    """
+    if not isinstance(max_context, int) or max_context <= 0:
+        return
+    drafts = 0 if config.method == "vanilla" else config.k * (2 if config.scheme == "fused" else 1)
+    extra = f" plus k ({drafts} draft positions)" if drafts else ""
+    if prompt_len + drafts >= max_context:
+        raise ValueError(f"the prompt has {prompt_len} tokens{extra}, but the model's context is {max_context} tokens: "
+                         "shorten the prompt")
+    if prompt_len + config.max_new_tokens + drafts > max_context:
+        raise ValueError(f"prompt ({prompt_len} tokens) plus max_new_tokens ({config.max_new_tokens}){extra} must fit "
+                         f"the model's context of {max_context} tokens: max_new_tokens can be at most "
+                         f"{max_context - prompt_len - drafts} for this prompt")
 
 
 def _model_of(sat_model) -> torch.nn.Module:

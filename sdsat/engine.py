@@ -57,8 +57,9 @@ class Engine:
     def max_k(self) -> int:
         return self.sat_model.max_k
 
-    def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, chat=chat)
+    def encode(self, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
+        """Token ids of `prompt`; special-token text such as ``<|im_end|>`` stays text unless `allow_special`."""
+        return encode_prompt(self.tokenizer, prompt, chat=chat, allow_special=allow_special)
 
     def stream(self, prompt_ids: list[int], config: DecodeConfig, should_stop=None) -> Iterator[Event]:
         """Step records as they happen, then the result (see `decoding.decode`)."""

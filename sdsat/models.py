@@ -110,7 +110,11 @@ def load_model(config: LoadConfig | None = None):
         raise ModelLoadError(f"cannot load model {config.model!r}: no such folder")
     if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
         raise ModelLoadError(f"cannot load model {config.model!r}: the folder has no config.json (not a saved model)")
-    kwargs: dict = dict(dtype=dtype, trust_remote_code=config.trust_remote_code)
+    # Weights load through safetensors only: pickle files (pytorch_model.bin) can run code when loaded.
+    if Path(source).is_dir() and not any(Path(source).glob("*.safetensors")):
+        raise ModelLoadError(f"cannot load model {config.model!r}: the folder has no .safetensors weights "
+                             "(pickle weights such as pytorch_model.bin are refused; convert them to safetensors)")
+    kwargs: dict = dict(dtype=dtype, trust_remote_code=config.trust_remote_code, use_safetensors=True)
     if config.quantization is not None:
         kwargs["quantization_config"] = _bitsandbytes_config(config.quantization, device)
         kwargs["device_map"] = {"": device.index or 0}

@@ -267,7 +267,7 @@ class SatModel:
             raise ValueError("an 'adapter' SAT spec needs a SatAdapter")
         vocab = model.get_input_embeddings().weight.shape[0]
         if spec.kind == "vocab":
-            bad = [i for i in spec.sat_ids if not 0 <= i < vocab]
+            bad = sorted({i for i in spec.sat_ids if not 0 <= i < vocab})  # one id may repeat for every position
             if bad:
                 raise ValueError(f"SAT ids {bad} are outside the vocabulary (allowed 0..{vocab - 1})")
         if adapter is not None:

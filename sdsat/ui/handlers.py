@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Iterator
 
+import anyio.to_thread
 import gradio as gr
 
 from ..models import ModelLoadError
@@ -155,18 +156,30 @@ class Page:
         yield headline_html(record), gr.skip(), gr.skip()
 
     # -- API -------------------------------------------------------------------------------------
-    def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = 5,
-                 max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int = 0) -> dict:
+    async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = 5,
+                       max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                       seed: int = 0) -> dict:
         """Race vanilla and SDSAT on one prompt; return both texts, token ids and metrics as JSON.
 
         `model` is one of the operator's models (empty: the first). Greedy runs report whether the two
         outputs were identical; every decoder stops at the operator's limits.
         """
+        cancel = threading.Event()
+        try:
+            # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
+            # iteration instead of running on for nobody.
+            return await anyio.to_thread.run_sync(self.generate_sync, prompt, model, chat, mode, k, max_new_tokens,
+                                                  temperature, top_p, top_k, seed, cancel, abandon_on_cancel=True)
+        finally:
+            cancel.set()
+
+    def generate_sync(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed,
+                      cancel: threading.Event | None = None) -> dict:
+        """`generate` in the calling thread; setting `cancel` stops it between two iterations."""
         model = model or self.limits.models[0]
         engine, request, prompt_ids = self.prepare(prompt, model, chat, mode, k, max_new_tokens, temperature, top_p,
                                                     top_k, seed)
-        cancel = threading.Event()
+        cancel = cancel or threading.Event()
         snap = None
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
         try:

@@ -28,7 +28,7 @@ class EngineCache:
         self._engines[engine.name] = engine
 
     def is_loaded(self, name: str) -> bool:
-        return name in self._engines
+        return isinstance(name, str) and name in self._engines
 
     def get(self, name: str) -> Engine:
         """The engine for `name`, loading and warming it up on first use.
@@ -37,7 +37,7 @@ class EngineCache:
             SettingError: `name` is not on the operator's list.
             ModelLoadError: the operator listed a model that cannot be loaded.
         """
-        if name not in self._locks:
+        if not isinstance(name, str) or name not in self._locks:  # API callers may send any JSON value
             raise SettingError(f"model must be one of: {', '.join(self.limits.models)} (set by the operator); got {name!r}")
         with self._locks[name]:
             if name not in self._engines:

@@ -36,7 +36,7 @@ class Limits:
     max_prompt_chars: int = 8000  # SDSAT_MAX_PROMPT_CHARS: checked before tokenizing
     time_limit_s: float = 90.0  # SDSAT_TIME_LIMIT: wall seconds per request; each decoder gets half
     concurrency: int = 1  # SDSAT_CONCURRENCY: requests decoding at once (one shared model)
-    queue_size: int = 16  # SDSAT_QUEUE_SIZE: requests waiting beyond that are turned away
+    queue_size: int = 32  # SDSAT_QUEUE_SIZE: requests waiting beyond that are turned away (a burst of 20 waits)
     device: str = "auto"  # SDSAT_DEVICE: auto, cpu, cuda or mps
     dtype: str = "auto"  # SDSAT_DTYPE: auto, float32, float16 or bfloat16
 
