@@ -14,6 +14,10 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: boo
     """
     if not isinstance(prompt, str) or prompt == "":
         raise ValueError("prompt must be a non-empty string")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
+        raise ValueError(f"prompt must be valid Unicode text; it has an unpaired surrogate at character {err.start}") from None
     split = not allow_special
 
     def tokens(text: str, split_special: bool) -> list[int]:

@@ -120,6 +120,13 @@ def test_empty_prompt_is_refused(tiny):
     assert len(good(tiny)) == 4
 
 
+def test_invalid_unicode_is_a_clear_error(page):
+    with pytest.raises(ValueError, match="prompt must be valid Unicode text; it has an unpaired surrogate at character 1"):
+        encode_prompt(TOK, "a\ud800b")
+    with pytest.raises(gr.Error, match="valid Unicode text"):  # what JSON's "\\ud800" becomes in an API call
+        list(page.run(**(GOOD | dict(prompt="x\udfffy")), show_rejected=False))
+
+
 # -- the model's context ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, scheme, room", [("vanilla", "two_step", 0), ("sdsat", "two_step", 3),
                                                   ("sdsat", "fused", 6)])
