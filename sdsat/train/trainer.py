@@ -31,6 +31,7 @@ from ..sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from .data import Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts, self_distill, stdlib_files
 from ..layout import SatLayout
 from .examples import sample_layout
+from .report import record_figure
 
 log = logging.getLogger(__name__)
 
@@ -41,23 +42,25 @@ class TrainConfig:
 
     mode: str = "adapter"  # "adapter" (frozen base, lossless) or "paper" (fine-tune the model)
     model: str = DEFAULT_MODEL  # the embedded default, a hub id or a local folder
-    out: str = "runs/sat-smollm2"  # run folder: corpus, checkpoint, record, adapter
+    out: str = "runs/sat-smollm2-b"  # run folder: corpus, checkpoint, record, adapter
     num_sats: int = 5  # SATs trained = largest k the decoder may use
     rank: int = 8  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
     alpha: float = 16.0  # adapter: LoRA scale numerator
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
     layers: list[int] | None = None  # adapter: decoder layers with updates; None for inject_layer and above
-    inject_layer: int = 22  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
+    inject_layer: int = 18  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
-    steps: int = 200  # optimizer steps
+    steps: int = 140  # optimizer steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
     runs_per_seq: int = 40  # SAT runs inserted per sequence
     lr: float = 3e-3  # peak learning rate (cosine decay after warm-up)
-    warmup: int = 20  # warm-up steps
+    embedding_lr_scale: float = 30.0  # adapter: SAT embeddings injected above layer 0 learn this much faster,
+    # since they must stand out against a residual stream far larger than a fresh parameter
+    warmup: int = 10  # warm-up steps
     seed: int = 0  # seeds data, layouts and initialisation
     code_files: int = 300  # standard-library files for the raw-code source
     code_prompts: int = 64  # function signatures + docstrings for self-distillation
@@ -175,8 +178,8 @@ def draft_acceptance(sat_model: SatModel, windows: torch.Tensor, num_sats: int, 
 
 # -- the run ----------------------------------------------------------------------------------------
 
-def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[torch.nn.Parameter]]:
-    """The SatModel to train and its trainable parameters."""
+def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]]:
+    """The SatModel to train and its trainable parameters, as optimizer groups with an "lr_scale"."""
     init_id = tokenizer.convert_tokens_to_ids(config.sat_token) if config.sat_token in tokenizer.get_vocab() else None
     if config.mode == "adapter":
         adapter_config = AdapterConfig(base_model=config.model, hidden_size=model.get_input_embeddings().weight.shape[1],
@@ -186,7 +189,9 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[torch
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
         sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
-        params = list(adapter.parameters())
+        params = [{"params": [adapter.embeddings],
+                   "lr_scale": config.embedding_lr_scale if config.inject_layer > 0 else 1.0},
+                  {"params": list(adapter.lora_a.values()) + list(adapter.lora_b.values()), "lr_scale": 1.0}]
     else:
         if init_id is None:
             raise ValueError(f"sat_token {config.sat_token!r} is not in the vocabulary; name an existing, unused token")
@@ -199,7 +204,7 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[torch
         else:
             model.requires_grad_(True)
         sat_model = SatModel(model, SatSpec(kind="vocab", sat_ids=[init_id], max_k=config.num_sats))
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr_scale": 1.0}]
     return sat_model, params
 
 
@@ -219,7 +224,9 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
 
     sat_model, params = prepare(config, model, tokenizer)
     sat_model.model.train(config.mode == "paper")
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    groups = [dict(group, lr=config.lr * group["lr_scale"]) for group in params]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
+    params = [p for group in groups for p in group["params"]]
     schedule = lambda step: min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     layouts = torch.Generator().manual_seed(config.seed + 1)
@@ -276,6 +283,7 @@ def save_trained(sat_model: SatModel, folder: Path, record: dict) -> None:
         model.save_pretrained(folder)
         SatSpec(kind="vocab", sat_ids=sat_model.spec.sat_ids, max_k=sat_model.max_k).save(folder)
     (folder / "training_record.json").write_text(json.dumps(record) + "\n")
+    record_figure(record).write_html(folder / "training_record.html", include_plotlyjs="cdn")
 
 
 def _eval_windows(held_out: Corpus, n: int) -> dict[str, torch.Tensor]:
