@@ -31,7 +31,7 @@ CHAT_PROMPTS = ROOT / "assets" / "prompts" / "chat.jsonl"
 # The performance check CI can afford: SDSAT greedy on the shipped adapter must emit at least this
 # many tokens per forward pass (vanilla: 1.0; untrained SATs: 1.0). Set from the trained adapter's
 # measured figure with a safety margin.
-TOKENS_PER_FORWARD_PASS_FLOOR = 1.2
+TOKENS_PER_FORWARD_PASS_FLOOR = 1.15  # measured 1.2-1.3 with the shipped adapter (k=3-4, two_step); vanilla and an untrained adapter give 1.0
 PERF_K = 4  # drafts per step in the performance check
 PERF_PROMPTS = "0-3"  # HumanEval problems, never trained on
 PERF_TOKENS = 48
