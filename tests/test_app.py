@@ -179,8 +179,8 @@ def test_sampling_race_runs_and_says_why_texts_differ(page):
     assert final["run_data"]["identical"] is None and "differ by design" in final["headline"]
 
 
-def test_bad_input_gives_gr_error_naming_the_setting(page):
-    with pytest.raises(gr.Error, match="k \\(adaptive tokens per step\\) must be between 1 and 8"):
+def test_bad_input_gives_gr_error_naming_the_setting(page, default_engine):
+    with pytest.raises(gr.Error, match=f"k \\(adaptive tokens per step\\) must be between 1 and {default_engine.max_k}"):
         list(page.run(**(GOOD | dict(k=50)), show_rejected=False))
     with pytest.raises(gr.Error, match="max new tokens must be between 1 and 24"):
         list(page.run(**(GOOD | dict(max_new_tokens=25)), show_rejected=False))

@@ -16,7 +16,7 @@ from sdsat.models import DEFAULT_MODEL, LoadConfig, ModelLoadError, cache_dir, l
 
 ROOT = Path(__file__).resolve().parent.parent
 # (prompt, chat, k): raw code to continue and a chat message, a small k and the largest.
-CASES = [("def fib(n):", False, 2), ("import numpy as np\n\ndef mean(xs):", False, 8), ("Name three colours.", True, 5)]
+CASES = [("def fib(n):", False, 2), ("import numpy as np\n\ndef mean(xs):", False, 5), ("Name three colours.", True, 5)]
 NEW_TOKENS = 12
 
 

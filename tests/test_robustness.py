@@ -450,7 +450,7 @@ def test_twenty_concurrent_visitors_each_get_their_own_result(server, default_en
     for i in range(20):
         prompt, chat = LOAD_PROMPTS[i % len(LOAD_PROMPTS)]
         mode = "sampling" if i % 7 == 3 else "greedy"
-        requests.append(dict(prompt=prompt, model=DEFAULT_MODEL, chat=chat, mode=mode, k=1 + i % 8,
+        requests.append(dict(prompt=prompt, model=DEFAULT_MODEL, chat=chat, mode=mode, k=1 + i % 5,
                              max_new_tokens=2 + i % 4, temperature=0.9, top_p=0.95, top_k=40, seed=i))
     # One request first: the model's weights are memory-mapped, and count in RSS once a forward pass touched them.
     assert client.predict(**(requests[0] | dict(max_new_tokens=2)), api_name="/generate")["identical"] is True

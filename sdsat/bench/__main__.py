@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-QUICK = dict(limit=3, max_new_tokens=32, k=[2, 4, 6], sample_k=4, temperatures=[1.0], repeats=1, warmup_tokens=4)
+QUICK = dict(limit=3, max_new_tokens=32, k=[1, 2, 4], sample_k=2, temperatures=[1.0], repeats=1, warmup_tokens=4)
 DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures=[0.2, 1.0], repeats=1,
                 warmup_tokens=16)
 
