@@ -137,7 +137,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
         gr.Markdown("Results of the project's benchmark, read from `assets/bench/` (not recomputed here). "
                     "Every figure states its hardware and settings.")
         bench_html = gr.HTML(js_on_load=None)
-        bench_gallery = gr.Gallery(label="Figures", visible=False, columns=2, height="auto")
+        bench_gallery = gr.Gallery(label="Figures", visible=False, columns=1, height="auto", object_fit="contain")
         bench_plots = [gr.Plot(visible=False) for _ in range(MAX_BENCH_PLOTS)]
         bench_files = gr.File(label="Result files", visible=False, file_count="multiple")
 
