@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from html.parser import HTMLParser
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,3 +46,38 @@ def real_tokenizer():
     from sdsat.models import default_model_folder
 
     return AutoTokenizer.from_pretrained(default_model_folder())
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module: on a shared 2-core machine, thread hand-offs make two
+    threads several times slower (tiny models ~50x). Use with pytest.mark.usefixtures."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# The only tags the page's own HTML uses: anything else in a fragment came from escaped-badly text.
+OUR_TAGS = {"div", "span", "sub", "b", "table", "tr", "th", "td", "code", "ul", "li"}
+
+
+class HtmlTags(HTMLParser):
+    """Every tag name in a page fragment, and the text between tags."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags: set[str] = set()
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse_html(fragment: str) -> HtmlTags:
+    parser = HtmlTags()
+    parser.feed(fragment)
+    return parser

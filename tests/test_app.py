@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from html.parser import HTMLParser
 
 import gradio as gr
 import pytest
+from conftest import OUR_TAGS, parse_html
 
 from sdsat.decoding import StepRecord
 from sdsat.models import DEFAULT_MODEL
@@ -19,30 +19,8 @@ from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
 from sdsat.ui.settings import Limits, SettingError, check_request
 
-OUR_TAGS = {"div", "span", "sub", "b", "table", "tr", "th", "td", "code", "ul", "li"}
 GOOD = dict(prompt="def add(a, b):\n", model=DEFAULT_MODEL, chat=False, mode="greedy", k=4, max_new_tokens=8,
             temperature=1.0, top_p=1.0, top_k=0, seed=0)
-
-
-class _Tags(HTMLParser):
-    """Every tag name in a page fragment, and the text between tags."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.tags: set[str] = set()
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.add(tag)
-
-    def handle_data(self, data):
-        self.text.append(data)
-
-
-def parse(fragment: str) -> _Tags:
-    parser = _Tags()
-    parser.feed(fragment)
-    return parser
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +96,7 @@ def test_rendered_panes_show_markup_as_text():
     for fragment in (sdsat_html(steps, pieces, vocab, show_rejected=True),
                      vanilla_html([StepRecord(i, 0, 0, [], [], [], 0, [i], ["verified"], [0.5], [0.1], 1, 0.1)
                                    for i in range(len(HOSTILE))], HOSTILE)):
-        parsed = parse(fragment)
+        parsed = parse_html(fragment)
         assert parsed.tags <= OUR_TAGS, parsed.tags - OUR_TAGS
         text = "".join(parsed.text)
         assert "<script>alert(1)</script>" in text and "a < b && c > d" in text and "{{7*7}}" in text
@@ -167,9 +145,9 @@ def test_markup_prompt_is_text_everywhere(page):
     prompt = '<script>alert("x")</script> & <b>bold</b>\n<html>\n<head>\n  <title>'
     final = dict(zip(RACE_OUTPUTS, list(page.run(**(GOOD | dict(prompt=prompt, max_new_tokens=8)), show_rejected=True))[-1]))
     for name in ("headline", "vanilla", "sdsat", "explorer"):
-        parsed = parse(final[name])
+        parsed = parse_html(final[name])
         assert parsed.tags <= OUR_TAGS, (name, parsed.tags - OUR_TAGS)
-    assert "<title>" in "".join(parse(final["explorer"]).text)  # the prompt's tail, shown as text
+    assert "<title>" in "".join(parse_html(final["explorer"]).text)  # the prompt's tail, shown as text
 
 
 def test_sampling_race_runs_and_says_why_texts_differ(page):

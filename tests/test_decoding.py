@@ -44,13 +44,7 @@ class PieceTokenizer:
 TOKENIZER = PieceTokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models are dominated by thread hand-offs; on a shared 2-core machine one thread is ~50x faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def favourite_llama() -> torch.nn.Module:

@@ -20,13 +20,7 @@ CASES = [("def fib(n):", False, 2), ("import numpy as np\n\ndef mean(xs):", Fals
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On a shared 2-core machine one torch thread is several times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_loads_from_the_package_with_a_weight_cache_and_without_bitsandbytes():

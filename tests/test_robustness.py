@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import uuid
-from html.parser import HTMLParser
 from pathlib import Path
 
 import gradio as gr
@@ -25,7 +24,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import OUR_TAGS, make_tiny_llama, parse_html
 from sdsat.decoding import DecodeConfig, decode, run
 from sdsat.models import DEFAULT_MODEL, LoadConfig, ModelLoadError, load_model
 from sdsat.prompts import encode_prompt
@@ -50,13 +49,7 @@ ODD_PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On a shared 2-core machine one torch thread is several times faster than two.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class LetterTokenizer:
@@ -263,24 +256,12 @@ def test_a_prompt_that_stops_at_once(default_engine):
 
 
 # -- the page ------------------------------------------------------------------------------------------------
-OUR_TAGS = {"div", "span", "sub", "b", "table", "tr", "th", "td", "code", "ul", "li"}
 GOOD = dict(prompt="def add(a, b):\n", model=DEFAULT_MODEL, chat=False, mode="greedy", k=4, max_new_tokens=3,
             temperature=1.0, top_p=1.0, top_k=0, seed=0)
 
 
-class _Tags(HTMLParser):
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.tags: set[str] = set()
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.add(tag)
-
-
 def tags_of(fragment: str) -> set[str]:
-    parser = _Tags()
-    parser.feed(fragment)
-    return parser.tags
+    return parse_html(fragment).tags
 
 
 def final_outputs(page: Page, **settings) -> dict:

@@ -296,8 +296,7 @@ def _eval_windows(held_out: Corpus, n: int) -> dict[str, torch.Tensor]:
 
 
 def _checkpoint(out: Path, sat_model, optimizer, scheduler, sampler, layouts, record, step: int, wall: float) -> None:
-    trainable = {k: v for k, v in _trainable_state(sat_model).items()}
-    state = {"step": step, "wall_seconds": wall, "trainable": trainable, "optimizer": optimizer.state_dict(),
+    state = {"step": step, "wall_seconds": wall, "trainable": _trainable_state(sat_model), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "sampler": sampler.state(), "layouts": layouts.get_state(), "record": record}
     tmp = out / "checkpoint.pt.tmp"
     torch.save(state, tmp)
