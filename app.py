@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gradio as gr
 
-from sdsat.ui.benchmark import load_bench
+from sdsat.ui.benchmark import load_suites
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
 from sdsat.ui.render import legend_html, waiting_html
 from sdsat.ui.settings import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, Limits
@@ -24,7 +24,7 @@ from sdsat.ui.style import LAUNCH
 ASSETS = Path(__file__).resolve().parent / "assets"
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
 HOW_IT_WORKS = ASSETS / "how_it_works.md"
-MAX_BENCH_PLOTS = 4
+MAX_BENCH_PLOTS = 8
 
 limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors
@@ -43,7 +43,7 @@ EXAMPLE_LABELS = ["fibonacci (code)", "palindrome (code)", "softmax (code)", "we
 
 
 def bench_outputs():
-    view = load_bench()
+    view = load_suites()
     plots = [gr.Plot(value=f, visible=True) for f in view.figures[:MAX_BENCH_PLOTS]]
     plots += [gr.Plot(visible=False)] * (MAX_BENCH_PLOTS - len(plots))
     return (view.html + view.frames, gr.Gallery(value=view.images or None, visible=bool(view.images)), *plots,

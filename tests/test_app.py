@@ -210,3 +210,14 @@ def test_benchmark_tab_without_and_with_results(tmp_path):
     assert view.frames.count("<iframe") == 1 and 'sandbox="allow-scripts"' in view.frames
     assert "</iframe>\";" not in view.frames  # the figure cannot close its frame early
     assert str(tmp_path / "tokens_per_second.html") in view.downloads
+
+
+def test_benchmark_tab_shows_each_suite_under_its_heading(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"rows": [{"method": "vanilla", "speedup": 1.0}]}))
+    assert "<h3" not in benchmark.load_suites(tmp_path).html  # one suite: no headings
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "summary.json").write_text(json.dumps({"rows": [{"method": "sdsat_greedy", "speedup": 0.5}]}))
+    (tmp_path / "chat" / "speedup.png").write_bytes(b"\x89PNG\r\n")
+    html = benchmark.load_suites(tmp_path).html
+    assert html.index("HumanEval") < html.index("vanilla") < html.index("Chat prompts") < html.index("sdsat_greedy")
+    assert benchmark.load_suites(tmp_path).images == [str(tmp_path / "chat" / "speedup.png")]

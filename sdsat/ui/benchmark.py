@@ -5,6 +5,7 @@ an object with a "rows" / "results" list; its other fields, such as machine, mod
 shown under the table), every `NAME.png` as an image, every standalone plotly `NAME.html` without a
 PNG twin as an embedded, sandboxed frame, and every plotly figure saved as `NAME.json` (an object
 with "data" and "layout") as a native plot. `results.md` and other tables are offered for download.
+A sub-folder with its own summary.json (`assets/bench/chat/`) is a further suite, shown after the first.
 """
 
 from __future__ import annotations
@@ -87,6 +88,24 @@ def load_bench(folder: Path = BENCH_DIR) -> BenchView:
             view.downloads.append(str(path))
     view.frames = "".join(frames)
     return view
+
+
+SUITES = {"": "HumanEval (code completion)", "chat": "Chat prompts (assets/prompts/chat.jsonl)"}
+
+
+def load_suites(folder: Path = BENCH_DIR, suites: dict[str, str] = SUITES) -> BenchView:
+    """Every suite that has results, each under its own heading, in one view."""
+    views = [(title, load_bench(folder / name)) for name, title in suites.items() if (folder / name / SUMMARY).is_file()]
+    if len(views) <= 1:
+        return views[0][1] if views else load_bench(folder)
+    merged = BenchView("")
+    for title, view in views:
+        merged.html += f'<h3 class="bench-suite">{esc(title)}</h3>{view.html}'
+        merged.images += view.images
+        merged.figures += view.figures
+        merged.downloads += view.downloads
+        merged.frames += view.frames
+    return merged
 
 
 def _note(key, value) -> str:
