@@ -299,18 +299,39 @@ class SatModel:
         logits_to_keep: int | torch.Tensor = 0,  # 0: every position; a 1-D tensor: those positions only
     ) -> torch.Tensor:
         """Logits (B, T, V) for a block that may contain SATs (T' positions if `logits_to_keep` selects)."""
-        kwargs = dict(cache=cache, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=cache is not None, logits_to_keep=logits_to_keep)
+        return self._run(self.model, input_ids, sat_slots, cache=cache, attention_mask=attention_mask,
+                         position_ids=position_ids, logits_to_keep=logits_to_keep).logits
+
+    # Families whose logits are exactly lm_head(last hidden state): no soft-capping or logit scaling.
+    _PLAIN_HEAD_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+    @property
+    def plain_head(self) -> bool:
+        """True when `head(hidden_states(...))` equals `forward(...)`, so rows can be projected on demand."""
+        return getattr(self.model.config, "model_type", None) in self._PLAIN_HEAD_TYPES
+
+    def hidden_states(self, input_ids: torch.Tensor, sat_slots: torch.Tensor | None = None, cache=None,
+                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (B, T, H) of the same block `forward` takes; `head` turns chosen rows into logits."""
+        return self._run(self.model.get_decoder(), input_ids, sat_slots, cache=cache, attention_mask=attention_mask,
+                         position_ids=position_ids).last_hidden_state
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states (only valid when `plain_head`)."""
+        return self.model.get_output_embeddings()(hidden)
+
+    def _run(self, module: nn.Module, input_ids: torch.Tensor, sat_slots: torch.Tensor | None, cache, **kwargs):
+        kwargs = dict(kwargs, cache=cache, use_cache=cache is not None)
         if sat_slots is None or not bool((sat_slots >= 0).any()):
-            return self.model(input_ids=input_ids, **kwargs).logits
+            return module(input_ids=input_ids, **kwargs)
         is_sat = sat_slots >= 0
         if self.spec.kind == "vocab":
             ids = torch.as_tensor(self.spec.sat_ids, device=input_ids.device)
             input_ids = torch.where(is_sat, ids[sat_slots.clamp(min=0)], input_ids)
-            return self.model(input_ids=input_ids, **kwargs).logits
+            return module(input_ids=input_ids, **kwargs)
         slots = sat_slots.clamp(min=0)
         embed = self.model.get_input_embeddings()(input_ids.masked_fill(is_sat, 0))  # (B, T, H)
         sat_embed = self.adapter.input_embeddings(slots)  # (B, T, H)
         embeds = torch.where(is_sat.unsqueeze(-1), sat_embed.to(embed.dtype), embed)
         with sat_rows(is_sat.unsqueeze(-1).to(embed.dtype), slots):
-            return self.model(inputs_embeds=embeds, **kwargs).logits
+            return module(inputs_embeds=embeds, **kwargs)

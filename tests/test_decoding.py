@@ -179,6 +179,29 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
     assert stats["drafts dropped: eos"] > 0 and stats["drafts dropped: max_new_tokens"] > 0, stats
 
 
+def test_head_of_hidden_states_is_forward_and_fused_works_without_it(sat_model: SatModel, monkeypatch):
+    """The fused scheme projects chosen rows itself; that must equal forward's logits, and models whose
+    head is not a plain projection take forward's path with the same greedy output."""
+    from sdsat.layout import SatLayout
+
+    layout = SatLayout.runs_at(4, torch.arange(4), 3)
+    block = torch.tensor([[5, 9, 11, 2] + [0] * layout.num_sats])
+    inputs = dict(input_ids=block, sat_slots=layout.sat_slots, attention_mask=layout.attention_mask(),
+                  position_ids=layout.position_ids)
+    with torch.inference_mode():
+        assert sat_model.plain_head  # a Llama
+        torch.testing.assert_close(sat_model.head(sat_model.hidden_states(**inputs)), sat_model.forward(**inputs))
+    prompt = random_prompts(seed=3, count=1)[0]
+    config = replace(greedy("sdsat", 3, 20), scheme="fused")
+    projected = run(decode(sat_model, TOKENIZER, prompt, config, eos_ids=[]))
+    monkeypatch.setattr(SatModel, "_PLAIN_HEAD_TYPES", ())
+    assert not sat_model.plain_head
+    whole = run(decode(sat_model, TOKENIZER, prompt, config, eos_ids=[]))
+    reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=20), eos_ids=[]))
+    assert projected.token_ids == whole.token_ids == reference.token_ids
+    assert [s.accepted for s in projected.steps] == [s.accepted for s in whole.steps]
+
+
 def first_stop(tokens: list[int], stop: str) -> list[int]:
     """The shortest prefix of `tokens` whose text contains `stop`: where vanilla must stop."""
     for n in range(1, len(tokens) + 1):
