@@ -164,3 +164,14 @@ def test_humaneval_filter_catches_problems_and_passes_ordinary_code():
     assert keep.entry_points == {p["entry_point"] for p in read_problems().values()}  # 158 names for 164 problems
     assert keep("def has_close_elements(numbers, threshold):\n    pass\n")
     assert not keep("def parse_header(line):\n    return line.split(':', 1)\n")
+
+
+def test_eval_windows_cover_short_sequences_too():
+    """Chat answers are shorter than a training window; they are joined so they are evaluated too."""
+    from sdsat.train.trainer import _eval_windows
+
+    held_out = Corpus({"long": [list(range(10, 50))], "short": [[5, 6, 7]] * 10, "tiny": [[1]]})
+    windows = _eval_windows(held_out, n=8, separator=0)
+    assert windows["long"].tolist() == [list(range(10, 18))]
+    assert windows["short"].tolist() == [[5, 6, 7, 0] * 2] * 5
+    assert "tiny" not in windows  # too little text for one window

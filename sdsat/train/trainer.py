@@ -220,7 +220,7 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
     separator = model.generation_config.eos_token_id
     separator = separator if isinstance(separator, int) else separator[0]
     sampler = WindowSampler(train_corpus, config.weights, config.seq_len, separator, config.seed)
-    eval_windows = _eval_windows(held_out, config.seq_len)
+    eval_windows = _eval_windows(held_out, config.seq_len, separator)
 
     sat_model, params = prepare(config, model, tokenizer)
     sat_model.model.train(config.mode == "paper")
@@ -286,12 +286,16 @@ def save_trained(sat_model: SatModel, folder: Path, record: dict) -> None:
     record_figure(record).write_html(folder / "training_record.html", include_plotlyjs="cdn")
 
 
-def _eval_windows(held_out: Corpus, n: int) -> dict[str, torch.Tensor]:
+def _eval_windows(held_out: Corpus, n: int, separator: int, max_windows: int = 16) -> dict[str, torch.Tensor]:
+    """Up to `max_windows` N-token windows per source: the start of each held-out sequence that is long
+    enough, then windows cut from the shorter ones joined end to end (so short chat answers count too)."""
     windows = {}
     for name, seqs in held_out.sources.items():
         rows = [torch.tensor(s[:n]) for s in seqs if len(s) >= n]
+        stream = [t for s in seqs if len(s) < n for t in s + [separator]]
+        rows += [torch.tensor(stream[i:i + n]) for i in range(0, len(stream) - n + 1, n)]
         if rows:
-            windows[name] = torch.stack(rows)
+            windows[name] = torch.stack(rows[:max_windows])
     return windows
 
 
