@@ -42,18 +42,19 @@ class TrainConfig:
 
     mode: str = "adapter"  # "adapter" (frozen base, lossless) or "paper" (fine-tune the model)
     model: str = DEFAULT_MODEL  # the embedded default, a hub id or a local folder
-    out: str = "runs/sat-smollm2-b"  # run folder: corpus, checkpoint, record, adapter
+    out: str = "runs/sat-smollm2-c"  # run folder: corpus, checkpoint, record, adapter
     num_sats: int = 5  # SATs trained = largest k the decoder may use
-    rank: int = 8  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
-    alpha: float = 16.0  # adapter: LoRA scale numerator
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj", "o_proj", "down_proj"])
+    rank: int = 16  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
+    alpha: float = 32.0  # adapter: LoRA scale numerator
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                                 "down_proj"])
     layers: list[int] | None = None  # adapter: decoder layers with updates; None for inject_layer and above
-    inject_layer: int = 18  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
+    inject_layer: int = 10  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
-    steps: int = 140  # optimizer steps
+    steps: int = 750  # optimizer steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
     runs_per_seq: int = 40  # SAT runs inserted per sequence
@@ -63,14 +64,14 @@ class TrainConfig:
     warmup: int = 10  # warm-up steps
     seed: int = 0  # seeds data, layouts and initialisation
     code_files: int = 300  # standard-library files for the raw-code source
-    code_prompts: int = 64  # function signatures + docstrings for self-distillation
-    chat_prompts: int = 64  # chat instructions for self-distillation
-    distill_tokens: int = 128  # new tokens per self-distilled completion
-    distill_batch: int = 32  # completions generated at once
-    weights: dict[str, float] = field(default_factory=lambda: {"code": 0.2, "code_completions": 0.5, "chat_completions": 0.3})
+    code_prompts: int = 768  # function signatures + docstrings for self-distillation
+    chat_prompts: int = 340  # chat instructions for self-distillation
+    distill_tokens: int = 192  # new tokens per self-distilled completion
+    distill_batch: int = 48  # completions generated at once
+    weights: dict[str, float] = field(default_factory=lambda: {"code": 0.1, "code_completions": 0.45, "chat_completions": 0.45})
     held_out: int = 8  # sequences per source kept for evaluation
-    eval_every: int = 40  # steps between acceptance evaluations
-    checkpoint_every: int = 10  # steps between checkpoints
+    eval_every: int = 125  # steps between acceptance evaluations
+    checkpoint_every: int = 25  # steps between checkpoints
 
     def validate(self) -> None:
         if self.mode not in ("adapter", "paper"):
