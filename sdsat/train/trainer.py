@@ -54,7 +54,7 @@ class TrainConfig:
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
-    steps: int = 750  # optimizer steps
+    steps: int = 900  # optimizer steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
     runs_per_seq: int = 40  # SAT runs inserted per sequence
