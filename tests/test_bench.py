@@ -237,3 +237,29 @@ def test_performance_floor_on_shipped_adapter(default_engine):
     assert summary["all_greedy_identical"], summary["greedy_mismatches"]
     sdsat = next(r for r in summary["variants"] if r["method"] == "sdsat_greedy")
     assert sdsat["tokens_per_forward_pass"] >= TOKENS_PER_FORWARD_PASS_FLOOR, sdsat
+
+
+def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypatch):
+    """The pass-cost probe times plain blocks of each size and draft blocks [t, SAT x k]."""
+    import types
+
+    import torch
+
+    from conftest import make_tiny_llama
+    from sdsat.bench import pass_cost
+    from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+
+    tiny_llama = make_tiny_llama()
+    config = AdapterConfig(base_model="tiny", hidden_size=tiny_llama.config.hidden_size,
+                           num_layers=tiny_llama.config.num_hidden_layers, num_sats=3, rank=2)
+    sat_model = SatModel(tiny_llama, SatSpec(kind="adapter", max_k=3), SatAdapter.for_model(tiny_llama, config))
+    lengths = []
+    forward = sat_model.forward
+    monkeypatch.setattr(sat_model, "forward", lambda ids, slots, cache, **kw: (lengths.append(cache.get_seq_length()),
+                                                                            forward(ids, slots, cache=cache, **kw))[1])
+    costs = pass_cost.measure(types.SimpleNamespace(model=tiny_llama, sat_model=sat_model), [1, 2, 4, 8], context=10,
+                              repeats=2)
+    assert set(costs["plain"]) == {1, 2, 4, 8} and set(costs["draft"]) == {1, 3}  # k <= max_k only
+    assert all(s > 0 for table in costs.values() for s in table.values())
+    assert set(lengths) == {10}  # every pass starts from the same context
+    assert "| plain causal | 8 |" in pass_cost.report(costs, 10) and "draft [t, SAT×3]" in pass_cost.report(costs, 10)
