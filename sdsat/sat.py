@@ -184,13 +184,15 @@ class SatAdapter(nn.Module):
 
         return hook
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
+        """Weights as `dtype`: float32 loads back bit-exactly, float16 halves the file (the shipped adapter)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {"embeddings": self.embeddings, "base_embedding": self.base_embedding}
         tensors.update({f"lora_a.{k}": v for k, v in self.lora_a.items()})
         tensors.update({f"lora_b.{k}": v for k, v in self.lora_b.items()})
-        save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS_FILE))
+        save_file({k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()},
+                  str(folder / ADAPTER_WEIGHTS_FILE))
         (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
     @classmethod
@@ -202,7 +204,7 @@ class SatAdapter(nn.Module):
                 raise ValueError(f"SAT adapter file not found: {path}")
         try:
             config = AdapterConfig(**json.loads(config_path.read_text()))
-            tensors = load_file(str(weights_path))
+            tensors = {k: v.float() for k, v in load_file(str(weights_path)).items()}  # may be stored as float16
         except (json.JSONDecodeError, TypeError, SafetensorError, OSError) as err:
             raise ValueError(f"SAT adapter in {folder} is unreadable ({err}); re-save or re-train it") from err
         adapter = cls(config)

