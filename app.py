@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gradio as gr
 
+from sdsat.decoding import DecodeConfig
 from sdsat.ui.benchmark import load_suites
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
 from sdsat.ui.render import legend_html, waiting_html
@@ -73,7 +74,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
-                    k = gr.Slider(1, 8, value=5, step=1, label="k: adaptive tokens (drafts) per step")
+                    k = gr.Slider(1, 8, value=DecodeConfig.k, step=1, label="k: adaptive tokens (drafts) per step")
                     max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
                                         label="Max new tokens", elem_id="max-new")
                     with gr.Group(visible=False) as sampling_box:

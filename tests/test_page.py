@@ -132,7 +132,7 @@ def test_browser_race(server):
             page.screenshot(path=str(SCREENS / "race.png"), full_page=True)
             page.locator("#explorer").screenshot(path=str(SCREENS / "explorer.png"))
             page.get_by_label("Show rejected drafts (struck through)").check()
-            page.locator("#sdsat-out .tok.src-rejected").first.wait_for(timeout=10_000)
+            page.locator("#sdsat-out .tok.src-rejected:visible").first.wait_for(timeout=10_000)  # not a bare newline
             page.locator("#sdsat-out").hover()
             page.locator("#sdsat-out").screenshot(path=str(SCREENS / "sdsat_rejected.png"))
 

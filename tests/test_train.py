@@ -126,7 +126,7 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
     frozen = {k: v.clone() for k, v in base.state_dict().items()}
 
     config = TrainConfig(mode="adapter", model="tiny", out=str(tmp_path / "adapter"), num_sats=3, rank=4, sat_token="<file_sep>",
-                         inject_layer=0,
+                         alpha=16.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], inject_layer=0,
                          steps=160, batch_size=8, seq_len=32, runs_per_seq=8, lr=1e-2, warmup=10,
                          weights={"counting": 1.0}, held_out=4, eval_every=80, checkpoint_every=80)
     half = TrainConfig(**{**config.__dict__, "steps": 160})
@@ -140,6 +140,7 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
     resumed = train(longer, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
     assert resumed["steps"][0]["step"] == 1 and len(resumed["steps"]) == 200
     assert resumed["steps"][159]["loss"] == record["steps"][159]["loss"]
+    assert resumed["config"]["steps"] == 200 and resumed["resumes"] == [{"step": 160, "previous_config": record["config"]}]
 
 
 @pytest.mark.parametrize("inject_layer", [0, 1])

@@ -115,13 +115,18 @@ class Run:
 
 @contextlib.contextmanager
 def count_forward_passes(model: torch.nn.Module) -> Iterator[list[int]]:
-    """Count calls of `model.forward` inside the block; read the count from the yielded list."""
+    """Count forward passes inside the block; read the count from the yielded list.
+
+    The hook sits on the decoder stack (`get_decoder()`), which every pass runs once, whether it came
+    through the model's forward or went to the decoder directly (the fused scheme's projected pass).
+    """
     count = [0]
 
     def hook(module, args, output):
         count[0] += 1
 
-    handle = model.register_forward_hook(hook)
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
+    handle = body.register_forward_hook(hook)
     try:
         yield count
     finally:

@@ -328,6 +328,10 @@ def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts
     scheduler.load_state_dict(state["scheduler"])
     sampler.set_state(state["sampler"])
     layouts.set_state(state["layouts"])
+    current = record["config"]
     record.update(state["record"])
+    if record["config"] != current:  # resumed with other settings (say, more steps): keep both on record
+        record.setdefault("resumes", []).append({"step": state["step"], "previous_config": record["config"]})
+        record["config"] = current
     log.info("resumed from %s at step %d", path, state["step"])
     return state["step"], state["wall_seconds"]

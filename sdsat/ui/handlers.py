@@ -14,6 +14,7 @@ from typing import Iterator
 import anyio.to_thread
 import gradio as gr
 
+from ..decoding import DecodeConfig
 from ..models import ModelLoadError
 from . import explorer, figures
 from .headline import headline_html, progress_html
@@ -48,7 +49,7 @@ class Page:
     def k_slider(self, model: str):
         """The k slider for `model`: its range is 1..that model's number of SATs."""
         engine = self._engine(model)
-        return gr.Slider(minimum=1, maximum=engine.max_k, step=1, value=min(5, engine.max_k))
+        return gr.Slider(minimum=1, maximum=engine.max_k, step=1, value=min(DecodeConfig.k, engine.max_k))
 
     def k_slider_if_loaded(self, model: str):
         """On page load: the k range of an already loaded model, without waiting behind running races."""
@@ -156,7 +157,7 @@ class Page:
         yield headline_html(record), gr.skip(), gr.skip()
 
     # -- API -------------------------------------------------------------------------------------
-    async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = 5,
+    async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = DecodeConfig.k,
                        max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int = 0) -> dict:
         """Race vanilla and SDSAT on one prompt; return both texts, token ids and metrics as JSON.
