@@ -364,8 +364,10 @@ def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, draft
                   position_ids=layout.position_ids.to(device) + kv_before)
     # Only k + 1 verify rows and the k rows of one branch need logits; projecting just those onto the
     # vocabulary saves k * k - k rows of the largest matrix (a tenth of the pass at k = 3 on a CPU).
-    rows = sat_model.hidden_states(**inputs)[0] if sat_model.plain_head else sat_model.forward(**inputs)[0]
-    project = sat_model.head if sat_model.plain_head else (lambda logits: logits)
+    if sat_model.plain_head:
+        rows, project = sat_model.hidden_states(**inputs)[0], sat_model.head
+    else:  # logits of every row, as the model's own head computes them
+        rows, project = sat_model.forward(**inputs)[0], (lambda logits: logits)
     p = chooser.probs(project(rows[:k + 1]))
     accepted, bonus = chooser.accept(p, q, drafts)
     next_q = chooser.probs(project(rows[k + 1 + accepted * k:k + 1 + (accepted + 1) * k]))
