@@ -33,10 +33,10 @@ SPEC_FILE = "sat_spec.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
-# The SAT rows of the current forward pass: ((B, T, 1) float mask, (B, T) slot of each row), or None
-# when there are none. A ContextVar rather than an attribute on the model, so concurrent requests in
-# different threads never see each other's rows.
-_SAT_ROWS: contextvars.ContextVar[tuple[torch.Tensor, torch.Tensor] | None] = contextvars.ContextVar("sat_rows", default=None)
+# The SAT rows of the current forward pass: (n, (B, T - n) slot of each SAT row) when rows n.. of
+# every sequence are SATs, or None when there are none. A ContextVar rather than an attribute on the
+# model, so concurrent requests in different threads never see each other's rows.
+_SAT_ROWS: contextvars.ContextVar[tuple[int, torch.Tensor] | None] = contextvars.ContextVar("sat_rows", default=None)
 
 
 @dataclass
@@ -96,9 +96,10 @@ class AdapterConfig:
 class SatAdapter(nn.Module):
     """Learned SAT embeddings plus low-rank updates that only touch SAT rows.
 
-    The updates are forward hooks on the base model's linear layers: ``y = W x + m * (x A) B * s``
-    with ``m`` the SAT-row mask, so standard rows get ``W x + 0`` and stay bit-identical. With
-    ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows entering that layer.
+    The updates are forward hooks on the base model's linear layers: ``y = W x + (x A) B * s`` on
+    the SAT rows only (the tail of the block), so standard rows get ``W x`` untouched and stay
+    bit-identical. With ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows
+    entering that layer.
     """
 
     def __init__(self, config: AdapterConfig):
@@ -163,11 +164,12 @@ class SatAdapter(nn.Module):
         current = _SAT_ROWS.get()
         if current is None:
             return None
-        rows, slots = current
-        added = self.embeddings[slots] * rows  # (B, T, H): zero on standard rows
+        start, slots = current
+        hidden = args[0] if args else kwargs["hidden_states"]
+        hidden = _add_to_tail(hidden, start, self.embeddings[slots], in_place=False)  # the layer input may be kept
         if args:
-            return (args[0] + added, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + added}
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -179,8 +181,8 @@ class SatAdapter(nn.Module):
             current = _SAT_ROWS.get()
             if current is None:
                 return None
-            x = inputs[0] * current[0]  # (B, T, in): standard rows zeroed
-            return output + (x @ self.lora_a[key]) @ self.lora_b[key] * self.scale
+            start = current[0]
+            return _add_to_tail(output, start, (inputs[0][:, start:] @ self.lora_a[key]) @ self.lora_b[key] * self.scale)
 
         return hook
 
@@ -251,10 +253,22 @@ def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[s
                 yield f"{i}_{name.replace('.', '_')}", module
 
 
+def _add_to_tail(x: torch.Tensor, start: int, delta: torch.Tensor, in_place: bool = True) -> torch.Tensor:
+    """x (B, T, D) with delta (B, T - start, D) added to rows start..; the rows before are not touched.
+
+    Only the SAT rows pay for the low-rank update (on a CPU the masked full-block update cost a
+    quarter of a draft pass). In place (into a linear layer's fresh output) unless training.
+    """
+    if not in_place or torch.is_grad_enabled():
+        return torch.cat([x[:, :start], x[:, start:] + delta], dim=1)
+    x[:, start:] += delta
+    return x
+
+
 @contextlib.contextmanager
-def sat_rows(mask: torch.Tensor, slots: torch.Tensor) -> Iterator[None]:
-    """Mark which rows of the forward pass run inside this block are SATs ((B, T, 1) mask, (B, T) slots)."""
-    token = _SAT_ROWS.set((mask, slots))
+def sat_rows(start: int, slots: torch.Tensor) -> Iterator[None]:
+    """Mark rows start.. of every sequence in this block as SATs, with their (B, T - start) slots."""
+    token = _SAT_ROWS.set((start, slots))
     try:
         yield
     finally:
@@ -331,9 +345,11 @@ class SatModel:
             ids = torch.as_tensor(self.spec.sat_ids, device=input_ids.device)
             input_ids = torch.where(is_sat, ids[sat_slots.clamp(min=0)], input_ids)
             return module(input_ids=input_ids, **kwargs)
-        slots = sat_slots.clamp(min=0)
-        embed = self.model.get_input_embeddings()(input_ids.masked_fill(is_sat, 0))  # (B, T, H)
-        sat_embed = self.adapter.input_embeddings(slots)  # (B, T, H)
-        embeds = torch.where(is_sat.unsqueeze(-1), sat_embed.to(embed.dtype), embed)
-        with sat_rows(is_sat.unsqueeze(-1).to(embed.dtype), slots):
-            return module(inputs_embeds=embeds, **kwargs)
+        start = int((~is_sat[0]).sum())
+        if bool(is_sat[:, :start].any()) or not bool(is_sat[:, start:].all()):
+            raise ValueError("SAT rows must come after the standard tokens of a block (see SatLayout)")
+        slots = sat_slots[:, start:]
+        embed = self.model.get_input_embeddings()(input_ids[:, :start])  # (B, n, H)
+        sat_embed = self.adapter.input_embeddings(slots).to(embed.dtype)  # (B, T - n, H)
+        with sat_rows(start, slots):
+            return module(inputs_embeds=torch.cat([embed, sat_embed], dim=1), **kwargs)
