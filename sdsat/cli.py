@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default auto")
     model.add_argument("--quantization", choices=["4bit", "8bit"], help="bitsandbytes loading (CUDA only)")
+    model.add_argument("--no-cpu-kernels", action="store_true",
+                       help="on a CPU, multiply with nn.Linear as is, not with the fastest "
+                       "measured kernel per row count (cpu_kernels.py)")
     model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
                        "machine 1 can be much faster)")
     model.add_argument("--trust-remote-code", action="store_true",
@@ -138,7 +141,8 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
     held = _HeldLogs()  # load-time warnings are shown only if the request goes ahead
     with held:
         engine = Engine.load(LoadConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                        quantization=args.quantization, trust_remote_code=args.trust_remote_code),
+                                        quantization=args.quantization, trust_remote_code=args.trust_remote_code,
+                                        cpu_kernels=not args.no_cpu_kernels),
                              SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
         config = decode_config(args, max_k=engine.max_k)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)

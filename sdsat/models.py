@@ -33,6 +33,7 @@ class LoadConfig:
     device: str = "auto"  # auto, cpu, cuda or mps
     quantization: str | None = None  # None, "4bit" or "8bit" (bitsandbytes, CUDA only)
     trust_remote_code: bool = False  # only an operator may turn this on
+    cpu_kernels: bool = True  # on a CPU, route small-batch products to the fastest measured kernel (cpu_kernels.py)
 
 
 class ModelLoadError(ValueError):
@@ -128,6 +129,11 @@ def load_model(config: LoadConfig | None = None):
         model.to(device)
     model.eval()
     model.requires_grad_(False)
+    if config.cpu_kernels and device.type == "cpu":
+        from . import cpu_kernels
+
+        plan = cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json")
+        log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan), plan.seconds)
     return model, tokenizer
 
 

@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--adapter", help="SAT adapter folder (default: the model's own or the shipped one)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    model.add_argument("--no-cpu-kernels", action="store_true",
+                       help="on a CPU, multiply with nn.Linear as is, not with the fastest "
+                       "measured kernel per row count (cpu_kernels.py)")
     model.add_argument("--threads", type=int,
                        help="torch threads (default: torch's choice); on a busy machine 1 avoids oversubscription")
     out = parser.add_argument_group("output")
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device=args.device),
+        engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, device=args.device,
+                                        cpu_kernels=not args.no_cpu_kernels),
                              SatSource(adapter=args.adapter))
     except (ModelLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

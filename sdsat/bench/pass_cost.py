@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--no-cpu-kernels", action="store_true",
+                        help="on a CPU, multiply with nn.Linear as is, not with the fastest "
+                       "measured kernel per row count (cpu_kernels.py)")
     parser.add_argument("--json", metavar="OUT", help="also write the medians and the machine here")
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.context < 1 or args.repeats < 1:
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL))
+        engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, cpu_kernels=not args.no_cpu_kernels))
     except (ModelLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from ..cpu_kernels import cpu_name
 from ..engine import Engine
 from .humaneval import check_completion
 from .methods import GREEDY_METHODS, METHODS, Run, Variant, label_of, run_variant
@@ -110,16 +111,10 @@ def machine_info(engine: Engine) -> dict:
     import transformers
 
     param = next(engine.model.parameters())
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    plan = getattr(engine.model, "_sdsat_kernel_plan", None)
     info = {
-        "cpu": cpu,
+        "cpu": cpu_name(),
+        "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)",
         "cpu_count": os.cpu_count(),
         "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

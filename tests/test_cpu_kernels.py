@@ -1,0 +1,90 @@
+"""The small-batch kernel routing: every variant computes nn.Linear's product, the plan is kept, and
+training and wide blocks are left to nn.Linear."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_tiny_llama
+from sdsat import cpu_kernels
+from sdsat.cpu_kernels import VARIANTS, KernelPlan
+
+
+def _plan_of(model: nn.Module, variant: str, max_rows: int = 8) -> KernelPlan:
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    return KernelPlan({shape: [variant] * max_rows for shape in shapes})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_computes_the_linear_product(variant):
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40, bias=True)
+    x = torch.randn(3, 5, 24)  # 15 rows: wider than the plan, falls back
+    with torch.inference_mode():
+        expected_small, expected_wide = layer(x[:1, :4]), layer(x)
+        assert cpu_kernels.install(layer, _plan_of(layer, variant)) == (0 if variant == "linear" else 1)
+        small, wide = layer(x[:1, :4]), layer(x)
+    torch.testing.assert_close(small, expected_small, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wide, expected_wide, rtol=0, atol=0)
+    cpu_kernels.uninstall(layer)
+    assert "forward" not in layer.__dict__
+
+
+def test_routed_model_gives_the_same_logits_and_gradients_fall_back(tiny_llama):
+    ids = torch.tensor([[3, 7, 11, 5, 9]])
+    with torch.inference_mode():
+        expected = tiny_llama(input_ids=ids).logits
+    plan = _plan_of(tiny_llama, "weight_left")
+    assert cpu_kernels.install(tiny_llama, plan) == sum(isinstance(m, nn.Linear) for m in tiny_llama.modules())
+    calls = []
+    original = cpu_kernels._product
+    cpu_kernels._product = lambda *a: calls.append(a[0]) or original(*a)
+    try:
+        with torch.inference_mode():
+            routed = tiny_llama(input_ids=ids).logits
+        assert calls and set(calls) == {"weight_left"}
+        calls.clear()
+        loss = tiny_llama(input_ids=ids).logits.sum()  # gradients on: nn.Linear as is
+        loss.backward()
+        assert not calls
+    finally:
+        cpu_kernels._product = original
+    torch.testing.assert_close(routed, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tune_times_each_shape_and_keeps_the_plan_on_disk(tmp_path, monkeypatch):
+    model = make_tiny_llama()
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    cache = tmp_path / "kernels.json"
+    plan = cpu_kernels.tune(model, max_rows=4, repeats=1, cache_file=cache)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert set(plan.choices) == shapes
+    assert all(len(v) == 4 and set(v) <= set(VARIANTS) for v in plan.choices.values())
+    stored = json.loads(cache.read_text())
+    assert list(stored.values()) == [plan.summary()]
+    # A new process (no in-memory plan) reads the stored one instead of timing again.
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    monkeypatch.setattr(cpu_kernels, "_product", lambda *a: pytest.fail("tuned again instead of reading the file"))
+    assert cpu_kernels.tune(model, max_rows=4, repeats=1, cache_file=cache).choices == plan.choices
+
+
+def test_default_model_is_routed_by_its_plan_and_agrees_with_nn_linear(default_engine):
+    model = default_engine.model
+    plan = model._sdsat_kernel_plan
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            assert ("forward" in module.__dict__) == (set(plan.choices[tuple(module.weight.shape)]) != {"linear"})
+    ids = torch.tensor([default_engine.encode("def fibonacci(n):")])
+    with torch.inference_mode():
+        routed = model(input_ids=ids[:, :5]).logits  # 5 rows: within the plan
+        cpu_kernels.uninstall(model)
+        try:
+            plain = model(input_ids=ids[:, :5]).logits
+        finally:
+            cpu_kernels.install(model, plan)
+    torch.testing.assert_close(routed, plain, rtol=1e-4, atol=1e-4)
+    assert torch.equal(routed.argmax(-1), plain.argmax(-1))
