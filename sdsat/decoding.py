@@ -47,6 +47,9 @@ class DecodeConfig:
     stop_strings: list[str] = field(default_factory=list)  # stop once the output contains one
     scheme: str = "two_step"  # SDSAT: "two_step" (the paper: draft pass, then verify pass) or "fused"
     adaptive_k: bool = False  # SDSAT two_step: shrink / grow k from recent acceptance (k is the upper bound)
+    lookup_tokens: int = 0  # SDSAT two_step: when the last tokens occurred before, verify up to this many tokens
+    # copied from after that occurrence in one pass instead of drafting with the SATs (prompt lookup); 0: off
+    lookup_ngram: int = 2  # longest run of last tokens to look up
 
     def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
         if self.method not in METHODS:
@@ -60,6 +63,12 @@ class DecodeConfig:
                 raise ValueError("SDSAT decoding needs a model with adaptive tokens (a SAT spec or adapter)")
             if not isinstance(self.k, int) or not 1 <= self.k <= max_k:
                 raise ValueError(f"k (number of adaptive tokens) must be between 1 and {max_k}, got {self.k}")
+            if not isinstance(self.lookup_tokens, int) or not 0 <= self.lookup_tokens <= 64:
+                raise ValueError(f"lookup_tokens must be between 0 (off) and 64, got {self.lookup_tokens}")
+            if self.lookup_tokens and self.scheme != "two_step":
+                raise ValueError("lookup_tokens works with the two_step scheme only")
+            if not isinstance(self.lookup_ngram, int) or not 1 <= self.lookup_ngram <= 8:
+                raise ValueError(f"lookup_ngram must be between 1 and 8, got {self.lookup_ngram}")
         self.sampling.validate()
 
 
@@ -80,6 +89,7 @@ class StepRecord:
     pass_seconds: list[float]  # wall time of each forward pass this iteration
     kv_len: int  # tokens in the cache after the iteration
     elapsed: float  # seconds since the request started, at the end of this iteration
+    draft_source: str = "sat"  # "sat" (drafted by the SATs), "lookup" (copied by prompt lookup) or "" (vanilla)
 
     @property
     def rejected(self) -> list[int]:
@@ -254,7 +264,7 @@ def _vanilla(sat_model, tokenizer, prompt_ids, config, eos_ids, should_stop) -> 
             token = int(tokens[0])
             done = stop.add(token)
             steps.append(StepRecord(len(steps), kv_before, 0, [], [], [], 0, [token], ["verified"], [float(probs[0])],
-                                    [t1 - t0], cache.get_seq_length(), t1 - clock.start))
+                                    [t1 - t0], cache.get_seq_length(), t1 - clock.start, ""))
             yield steps[-1]
             if done or (should_stop is not None and should_stop()):
                 break
@@ -273,14 +283,21 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
     pending = list(prompt_ids)  # tokens not yet in the cache: the prompt, then each bonus token
     k_policy = _KPolicy(config.k, adaptive=config.adaptive_k and config.scheme == "two_step")
     drafts = q = None  # the fused scheme carries the next drafts from one pass to the next
+    history = list(prompt_ids)  # every token so far, where prompt lookup searches
     prefill_seconds = 0.0
     with torch.inference_mode():
         while True:
             k = k_policy.next_k()
             kv_before = cache.get_seq_length()
             emitted, sources, probs, pass_seconds = [], [], [], []
+            copies = (_lookup(history, config.lookup_ngram, config.lookup_tokens)
+                      if config.lookup_tokens and drafts is None and len(pending) == 1 else [])
             t0 = clock.now()
-            if drafts is None:
+            if copies:
+                # Prompt lookup found a continuation: verify the copied tokens right after the bonus
+                # token, in one pass and without a draft pass (q, set below, puts all mass on them).
+                drafts = torch.tensor(copies, device=device)
+            elif drafts is None:
                 # 1. Draft: [pending, SAT x k] gives the certain token t and the drafts d_1..d_k.
                 t_tok, t_prob, q, drafts = _draft_pass(sat_model, chooser, cache, pending, k)
                 emitted, sources, probs = [int(t_tok[0])], ["verified"], [float(t_prob[0])]
@@ -295,6 +312,8 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
                 p, accepted, bonus, q, drafts = _fused_pass(sat_model, chooser, cache, pending[0], verified_drafts, verified_q)
             else:
                 p = chooser.probs(sat_model.forward(torch.cat([torch.tensor(pending, device=device), drafts])[None], cache=cache)[0])
+                if copies:
+                    q = verified_q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
                 accepted, bonus = chooser.accept(p, q, drafts)  # p: (k + 1, V) model; q: (k, V) SATs
                 drafts = q = None
             # 3. Keep t and the accepted drafts in the cache; the bonus is the next pending token.
@@ -311,12 +330,15 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
                 index=len(steps), kv_len_before=kv_before, k=len(draft_list), drafts=draft_list,
                 draft_probs=verified_q[torch.arange(len(draft_list)), verified_drafts].tolist(),
                 predictions=p.argmax(-1).tolist(), accepted=accepted, tokens=emitted, sources=sources, probs=probs,
-                pass_seconds=pass_seconds, kv_len=cache.get_seq_length(), elapsed=t2 - clock.start))
+                pass_seconds=pass_seconds, kv_len=cache.get_seq_length(), elapsed=t2 - clock.start,
+                draft_source="lookup" if copies else "sat"))
             yield steps[-1]
             if done or (should_stop is not None and should_stop()):
                 break
-            # 5. Adapt k to recent acceptance (when asked), and continue from the bonus token.
-            k_policy.update(accepted, k)
+            # 5. Adapt k to recent SAT acceptance (when asked), and continue from the bonus token.
+            if not copies:
+                k_policy.update(accepted, k)
+            history += emitted
             pending = [bonus]
     yield _result(config, config.k, prompt_ids, stop, steps, clock, prefill_seconds, tokenizer)
 
@@ -372,6 +394,17 @@ def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, draft
     accepted, bonus = chooser.accept(p, q, drafts)
     next_q = chooser.probs(project(rows[k + 1 + accepted * k:k + 1 + (accepted + 1) * k]))
     return p, accepted, bonus, next_q, _drafts_from(chooser, next_q)
+
+
+def _lookup(history: list[int], ngram: int, max_tokens: int) -> list[int]:
+    """Prompt lookup: up to `max_tokens` tokens that followed the latest earlier occurrence of the last
+    n tokens of `history`, trying the longest n (<= `ngram`) first; [] when they never occurred."""
+    for n in range(min(ngram, len(history) - 1), 0, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == tail:
+                return history[start + n:start + n + max_tokens]
+    return []
 
 
 def _cut_at_stop(stop: StopChecker, tokens: list[int], sources: list[str], probs: list[float]):

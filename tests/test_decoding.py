@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, decode, run
+from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, _lookup, decode, run
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 
 VOCAB = 64
@@ -104,6 +104,7 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
     are one pass that emits accepted drafts and the bonus.
     """
     steps = result.steps
+    passes = verified = 0
     assert [t for s in steps for t in s.tokens] == result.token_ids
     assert sum(len(s.tokens) for s in steps) == len(result.token_ids)
     assert [s.index for s in steps] == list(range(len(steps)))
@@ -113,8 +114,9 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
         assert step.kv_len_before == (0 if i == 0 else len(prompt) + emitted - 1)
         assert len(step.sources) == len(step.tokens) == len(step.probs) and step.tokens
         if not sdsat:
-            assert (step.k, step.drafts, step.accepted, step.sources) == (0, [], 0, ["verified"])
+            assert (step.k, step.drafts, step.accepted, step.sources, step.draft_source) == (0, [], 0, ["verified"], "")
             assert step.forward_passes == 1
+            passes, verified = passes + 1, verified + 1
             assert step.kv_len == len(prompt) + emitted  # everything but the token just chosen
         else:
             assert len(step.drafts) == len(step.draft_probs) == step.k
@@ -124,7 +126,10 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
             assert step.drafts[:step.accepted] == step.predictions[:step.accepted]
             if step.accepted < step.k:
                 assert step.drafts[step.accepted] != step.predictions[step.accepted]
-            drafted = scheme == "two_step" or i == 0  # this iteration began with a draft pass
+            # This iteration began with a draft pass (not when prompt lookup supplied the drafts).
+            drafted = step.draft_source == "sat" and (scheme == "two_step" or i == 0)
+            passes += 2 if drafted else 1
+            verified += drafted
             head = ["verified"] if drafted else []
             full = head + ["draft"] * step.accepted + ["bonus"]
             # Only the last iteration may be cut short (by EOS, the token budget or a stop string).
@@ -138,10 +143,11 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
             if not last:
                 assert step.kv_len == len(prompt) + emitted + len(step.tokens) - 1
         emitted += len(step.tokens)
-    passes = {False: len(steps), True: 2 * len(steps) if scheme == "two_step" else len(steps) + 1}[sdsat]
     assert result.forward_passes == passes
+    if scheme == "fused":
+        assert passes == len(steps) + 1
     counts = Counter(src for s in steps for src in s.sources)
-    assert counts["verified"] == (len(steps) if scheme == "two_step" or not sdsat else 1)
+    assert counts["verified"] == verified
     assert counts["verified"] + counts["draft"] + counts["bonus"] == len(result.token_ids)
     assert counts["draft"] <= sum(s.accepted for s in steps)
 
@@ -177,6 +183,35 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
     assert stats["accepted"] > 100 and stats["rejected"] > 100, stats
     assert stats["stop on draft: eos"] > 0 and stats["stop on draft: max_new_tokens"] > 0, stats
     assert stats["drafts dropped: eos"] > 0 and stats["drafts dropped: max_new_tokens"] > 0, stats
+
+
+def test_lookup_finds_the_latest_earlier_occurrence_longest_ngram_first():
+    assert _lookup([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [9, 2, 5]  # latest "5 6"
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3" beats the later "3"
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [4, 8]  # only "3": the latest
+    assert _lookup([4, 5, 6], ngram=2, max_tokens=4) == []  # never occurred
+    assert _lookup([7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
+
+
+def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
+    stats: Counter = Counter()
+    for n, prompt in enumerate(random_prompts(seed=3, count=6)):
+        prompt = prompt + prompt[:4]  # a repeat, so lookup has something to copy from the start
+        budget = 16 + 3 * n
+        reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
+        for k, lookup in itertools.product((1, 3), (1, 4)):
+            config = replace(greedy("sdsat", k, budget), lookup_tokens=lookup)
+            result = run(decode(sat_model, TOKENIZER, prompt, config, []))
+            assert result.token_ids == reference, f"k={k} lookup={lookup} prompt={prompt}"
+            check_records(result, prompt, sdsat=True)
+            for step in result.steps:
+                if step.draft_source == "lookup":
+                    assert 1 <= step.k <= lookup and step.draft_probs == [1.0] * step.k
+                    stats["lookup accepted"] += step.accepted
+                    stats["lookup rejected"] += len(step.rejected)
+                stats[step.draft_source] += 1
+    assert stats["lookup"] > 20 and stats["sat"] > 20, stats  # both sources drafted
+    assert stats["lookup accepted"] > 10 and stats["lookup rejected"] > 5, stats
 
 
 def test_head_of_hidden_states_is_forward_and_fused_works_without_it(sat_model: SatModel, monkeypatch):
@@ -258,6 +293,12 @@ def test_k_outside_the_spec_is_refused(sat_model: SatModel):
     for k in (0, MAX_K + 1):
         with pytest.raises(ValueError, match=f"between 1 and {MAX_K}"):
             decode(sat_model, TOKENIZER, [5, 6], greedy("sdsat", k), eos_ids=[])
+    for settings, message in [(dict(lookup_tokens=65), "lookup_tokens must be between 0 .off. and 64"),
+                              (dict(lookup_tokens=-1), "lookup_tokens must be between 0 .off. and 64"),
+                              (dict(lookup_tokens=4, scheme="fused"), "two_step scheme only"),
+                              (dict(lookup_tokens=4, lookup_ngram=0), "lookup_ngram must be between 1 and 8")]:
+        with pytest.raises(ValueError, match=message):
+            decode(sat_model, TOKENIZER, [5, 6], replace(greedy("sdsat", 2), **settings), eos_ids=[])
 
 
 def test_adapter_leaves_standard_tokens_bit_identical():

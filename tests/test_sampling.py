@@ -30,11 +30,13 @@ SAMPLES = 1200  # per setting; a wrong residual gives p-values below 1e-9 at thi
 ALPHA = 1e-3  # the samples are seeded, so each test is deterministic; this is its false-alarm rate
 
 SETTINGS = {
-    # name: (k, sampling settings, scheme); k = 1 reaches the bonus token within three tokens, k = 2 a
-    # second draft; the fused scheme draws its later drafts from SAT runs in the verify pass
-    "t0.7-k1": (1, dict(temperature=0.7), "two_step"),
-    "t1.3-topp0.9-topk5-k2": (2, dict(temperature=1.3, top_p=0.9, top_k=5), "two_step"),
-    "fused-t1.3-topp0.9-topk5-k1": (1, dict(temperature=1.3, top_p=0.9, top_k=5), "fused"),
+    # name: (k, sampling settings, scheme, lookup_tokens); k = 1 reaches the bonus token within three
+    # tokens, k = 2 a second draft; the fused scheme draws its later drafts from SAT runs in the verify
+    # pass; with prompt lookup the tokens after the first iteration are often copies (q one-hot)
+    "t0.7-k1": (1, dict(temperature=0.7), "two_step", 0),
+    "t1.3-topp0.9-topk5-k2": (2, dict(temperature=1.3, top_p=0.9, top_k=5), "two_step", 0),
+    "fused-t1.3-topp0.9-topk5-k1": (1, dict(temperature=1.3, top_p=0.9, top_k=5), "fused", 0),
+    "lookup-t1.3-topk5-k1": (1, dict(temperature=1.3, top_k=5), "two_step", 2),
 }
 
 
@@ -90,11 +92,11 @@ def exact_joint(model, settings: dict) -> np.ndarray:
 
 
 def draw(sat_model: SatModel, method: str, k: int, settings: dict, seeds: range,
-         scheme: str = "two_step") -> tuple[Counter, Counter]:
+         scheme: str = "two_step", lookup_tokens: int = 0) -> tuple[Counter, Counter]:
     """Counts of the first NEW_TOKENS tokens over seeded runs, and counts of verification outcomes."""
     samples, sources = Counter(), Counter()
     for seed in seeds:
-        config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS, scheme=scheme,
+        config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS, scheme=scheme, lookup_tokens=lookup_tokens,
                               sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
         result = run(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
         assert len(result.token_ids) == NEW_TOKENS
@@ -103,6 +105,7 @@ def draw(sat_model: SatModel, method: str, k: int, settings: dict, seeds: range,
             sources["accepted"] += step.accepted
             sources["rejection"] += step.accepted < step.k
             sources["bonus"] += step.accepted == step.k
+            sources["lookup"] += step.draft_source == "lookup"
     return samples, sources
 
 
@@ -132,13 +135,14 @@ def homogeneity(a: Counter, b: Counter) -> float:
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_sdsat_sampling_matches_vanilla_and_the_exact_distribution(sat_model: SatModel, name: str):
-    k, settings, scheme = SETTINGS[name]
+    k, settings, scheme, lookup_tokens = SETTINGS[name]
     joint = exact_joint(sat_model.model, settings)
-    sdsat, sources = draw(sat_model, "sdsat", k, settings, range(SAMPLES), scheme)
+    sdsat, sources = draw(sat_model, "sdsat", k, settings, range(SAMPLES), scheme, lookup_tokens)
     vanilla, _ = draw(sat_model, "vanilla", k, settings, range(SAMPLES, SAMPLES + SAMPLES // 2))
     # Both verification outcomes really happened, often: otherwise this would test plain sampling.
     assert sources["accepted"] > SAMPLES // 5 and sources["rejection"] > SAMPLES // 5, sources
     assert sources["bonus"] > SAMPLES // 10, sources  # every draft accepted: the bonus comes from p
+    assert (sources["lookup"] > SAMPLES // 10) == bool(lookup_tokens), sources  # copies were verified
     assert goodness_of_fit(sdsat, joint) > ALPHA
     assert goodness_of_fit(vanilla, joint) > ALPHA
     assert homogeneity(sdsat, vanilla) > ALPHA
