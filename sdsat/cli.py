@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SDSAT: two_step (the paper: draft pass, then verify pass) or fused (verify and draft "
                            "the next block in one pass); default two_step")
     what.add_argument("--adaptive-k", action="store_true", help="SDSAT two_step: adapt k to recent acceptance, up to --k")
+    what.add_argument("--lookup", type=int, default=0, metavar="N",
+                      help="SDSAT two_step: when the last tokens occurred before in the prompt or output, verify up "
+                           "to N tokens copied from there (prompt lookup) instead of drafting; 0..64, default 0 (off)")
     what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
                       help=f"stop after this many new tokens (default {DecodeConfig.max_new_tokens})")
     what.add_argument("--stop", action="append", default=[], metavar="STR",
@@ -116,7 +119,8 @@ def decode_config(args: argparse.Namespace, max_k: int | None = None):
                               top_k=0 if args.top_k is None else args.top_k, seed=args.seed)
     k = args.k if args.k is not None else min(DecodeConfig.k, max_k or DecodeConfig.k)
     config = DecodeConfig(method=args.method, k=k, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k, scheme=args.scheme)
+                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k, scheme=args.scheme,
+                          lookup_tokens=args.lookup)
     if max_k is None:
         replace(config, method="vanilla").validate()
     else:

@@ -45,7 +45,8 @@ RUN_FIELDS = {"prompt_index", "repeat", "method", "k", "temperature", "seed", "n
 def bench_run(tmp_path_factory):
     """One small benchmark through the CLI: 2 HumanEval prompts, 8 tokens, every method."""
     out = tmp_path_factory.mktemp("bench")
-    argv = ["--limit", "2", "--max-new-tokens", "8", "--k", "1", "3", "--schemes", "two_step", "fused", "--sample-k", "2",
+    argv = ["--limit", "2", "--max-new-tokens", "8", "--k", "1", "3", "--schemes", "two_step", "fused", "lookup",
+            "--sample-k", "2",
             "--temperatures", "1.0",
             "--warmup-tokens", "2", "--out-dir", str(out), "--no-png", "--quiet"]
     import io
@@ -74,8 +75,9 @@ def test_bench_writes_every_field(bench_run):
         assert key in meta["machine"]
     assert meta["command"].startswith("python -m sdsat.bench --limit 2")
     labels = {"vanilla", "generate", "prompt_lookup k=10", "sdsat_greedy k=1", "sdsat_greedy k=3",
-              "sdsat_greedy k=1 fused", "sdsat_greedy k=3 fused", "vanilla_sample T=1", "sdsat_sample k=2 T=1",
-              "sdsat_sample k=2 T=1 fused"}
+              "sdsat_greedy k=1 fused", "sdsat_greedy k=3 fused", "sdsat_greedy k=1 +lookup",
+              "sdsat_greedy k=3 +lookup", "vanilla_sample T=1", "sdsat_sample k=2 T=1", "sdsat_sample k=2 T=1 fused",
+              "sdsat_sample k=2 T=1 +lookup"}
     assert {row["label"] for row in payload["summary"]["variants"]} == labels
     assert len(payload["runs"]) == 2 * len(labels)
     for run in payload["runs"]:
@@ -91,7 +93,7 @@ def test_greedy_outputs_identical_to_vanilla(bench_run):
     runs = payload["runs"]
     vanilla = {r["prompt_index"]: r["token_ids"] for r in runs if r["method"] == "vanilla"}
     greedy = [r for r in runs if r["method"] in GREEDY_METHODS]
-    assert len(greedy) == 2 * 7  # vanilla, generate, prompt lookup, sdsat k=1 and 3 in both schemes
+    assert len(greedy) == 2 * 9  # vanilla, generate, prompt lookup, sdsat k=1 and 3 in three schemes
     for run in greedy:
         assert run["token_ids"] == vanilla[run["prompt_index"]], run["method"]
     assert payload["summary"]["all_greedy_identical"]
@@ -105,18 +107,22 @@ def test_forward_passes_are_counted_honestly(bench_run):
     rows = {row["label"]: row for row in payload["summary"]["variants"]}
     assert rows["vanilla"]["tokens_per_forward_pass"] == 1.0
     assert rows["generate"]["tokens_per_forward_pass"] == 1.0  # the hook sees model.generate's passes too
-    fused = 0
+    fused = copied = 0
     for run in payload["runs"]:
         if run["method"].startswith("sdsat"):
             iterations = len(run["tokens_per_iteration"])
-            if run.get("scheme") == "fused":  # one draft pass, then one pass per iteration
+            passes = run["passes_per_iteration"]
+            assert run["forward_passes"] == sum(passes)  # the hook agrees with the decoder's own records
+            if run["scheme"] == "fused":  # one draft pass, then one pass per iteration
                 fused += 1
-                assert run["forward_passes"] == iterations + 1
-            else:  # two passes (draft, verify) per iteration
-                assert run["forward_passes"] == 2 * iterations
+                assert passes == [2] + [1] * (iterations - 1)
+                assert all(d == run["k"] for d in run["drafted_per_iteration"])
+            else:  # two passes (draft, verify) per iteration, one where prompt lookup supplied the drafts
+                for n, drafted in zip(passes, run["drafted_per_iteration"]):
+                    assert (n, drafted) == (2, run["k"]) or (run["scheme"] == "lookup" and n == 1 and 1 <= drafted <= 10)
+                copied += run["scheme"] == "lookup" and 1 in passes
             assert sum(run["tokens_per_iteration"]) == run["new_tokens"]
-            assert all(d == run["k"] for d in run["drafted_per_iteration"])
-    assert fused > 0
+    assert fused > 0 and copied > 0
 
 
 def test_pass_at_1_table_and_figures(bench_run):

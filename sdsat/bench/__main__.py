@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help=f"any of {', '.join(METHODS)} (default: all)")
     what.add_argument("--k", nargs="+", type=int, help="sdsat_greedy's k sweep (default: 1..the SATs' max k)")
     what.add_argument("--schemes", nargs="+", default=["two_step"], metavar="SCHEME",
-                      help="SDSAT schemes to race: two_step (the paper) and/or fused (default two_step)")
+                      help="SDSAT schemes to race: two_step (the paper), fused and/or lookup (two_step with "
+                           "prompt lookup's copies, --lookup-tokens of them, verified when found) (default two_step)")
     what.add_argument("--sample-k", type=int, help="sdsat_sample's k (default 4, capped at the max k)")
     what.add_argument("--temperatures", nargs="+", type=float, help="sampling temperatures (default 0.2 1.0)")
     what.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling (default 1: off)")

@@ -4,9 +4,12 @@ Methods (names used by `--methods` and in every output):
   vanilla         the engine's autoregressive loop, greedy: the reference every speed-up divides by
   generate        transformers' `model.generate`, greedy
   prompt_lookup   `model.generate` with prompt lookup decoding (drafts copied from the prompt), greedy
-  sdsat_greedy    the engine's SDSAT draft-then-verify, greedy, once per k
+  sdsat_greedy    the engine's SDSAT draft-then-verify, greedy, once per k and scheme
   vanilla_sample  the engine's loop, sampling at each temperature
   sdsat_sample    SDSAT with speculative sampling, at each temperature
+
+SDSAT schemes (`--schemes`): two_step (the paper), fused, and lookup: two_step where prompt lookup's
+copies, when there are any, are verified in place of a SAT draft step (`DecodeConfig.lookup_tokens`).
 
 Forward passes are counted the same way for all of them, by a forward hook on the model, so tokens
 per forward pass compares `model.generate` with the engine honestly.
@@ -27,6 +30,8 @@ from ..engine import Engine
 from ..sampling import SamplingConfig
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
+BENCH_SCHEMES = SCHEMES + ("lookup",)
+_SCHEME_SUFFIX = {"two_step": [], "fused": ["fused"], "lookup": ["+lookup"]}
 SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
 METHODS = GREEDY_METHODS + SAMPLE_METHODS
 
@@ -38,7 +43,7 @@ class Variant:
     method: str  # one of METHODS
     k: int = 0  # drafts per step: SDSAT's k, prompt lookup's prompt_lookup_num_tokens; 0 if none
     temperature: float | None = None  # sampling methods only
-    scheme: str = "two_step"  # SDSAT methods: "two_step" (the paper) or "fused" (see sdsat.decoding)
+    scheme: str = "two_step"  # SDSAT methods: one of BENCH_SCHEMES
 
     @property
     def greedy(self) -> bool:
@@ -52,7 +57,7 @@ class Variant:
 def label_of(method: str, k: int, temperature: float | None, scheme: str = "two_step") -> str:
     """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2" or "sdsat_greedy k=3 fused"."""
     parts = [method] + ([f"k={k}"] if k else []) + ([f"T={temperature:g}"] if temperature is not None else [])
-    return " ".join(parts + (["fused"] if scheme == "fused" else []))
+    return " ".join(parts + _SCHEME_SUFFIX[scheme])
 
 
 def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
@@ -64,8 +69,8 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
     too_big = [k for k in k_list + ([sample_k] if "sdsat_sample" in methods else []) if not 1 <= k <= max_k]
     if any(m.startswith("sdsat") for m in methods) and too_big:
         raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
-    if not schemes or any(s not in SCHEMES for s in schemes):
-        raise ValueError(f"schemes must be among {', '.join(SCHEMES)}, got {list(schemes)}")
+    if not schemes or any(s not in BENCH_SCHEMES for s in schemes):
+        raise ValueError(f"schemes must be among {', '.join(BENCH_SCHEMES)}, got {list(schemes)}")
     if any(not t > 0 for t in temperatures):
         raise ValueError(f"temperatures must be above 0, got {temperatures}")
     variants: list[Variant] = []
@@ -107,6 +112,7 @@ class Run:
     drafted_per_iteration: list[int] | None  # drafts proposed (SDSAT's k; 0 for vanilla)
     accepted_per_iteration: list[int] | None  # drafts accepted (bonus not counted)
     scheme: str = "two_step"  # SDSAT methods: the decoding scheme
+    passes_per_iteration: list[int] | None = None  # engine methods: forward passes of each iteration
 
     @property
     def tokens_per_forward_pass(self) -> float:
@@ -134,20 +140,23 @@ def count_forward_passes(model: torch.nn.Module) -> Iterator[list[int]]:
 
 
 def run_variant(engine: Engine, variant: Variant, prompt_ids: list[int], max_new_tokens: int,
-                seed: int | None = None, top_p: float = 1.0, lookup_ngram: int = 2,
+                seed: int | None = None, top_p: float = 1.0, lookup_ngram: int = 2, lookup_tokens: int = 10,
                 prompt_index: int = -1, repeat: int = 0) -> Run:
     """Generate once with `variant` and return the timed record."""
     if variant.method in ("generate", "prompt_lookup"):
         return _run_generate(engine, variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat)
-    return _run_engine(engine, variant, prompt_ids, max_new_tokens, seed, top_p, prompt_index, repeat)
-
-
-def _run_engine(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, seed, top_p, prompt_index, repeat) -> Run:
     sampling = SamplingConfig()
     if not variant.greedy:
         sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
+    lookup = variant.scheme == "lookup"
     config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
-                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling, scheme=variant.scheme)
+                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling,
+                          scheme="two_step" if lookup else variant.scheme, lookup_tokens=lookup_tokens if lookup else 0,
+                          lookup_ngram=lookup_ngram)
+    return _run_engine(engine, variant, prompt_ids, config, seed, prompt_index, repeat)
+
+
+def _run_engine(engine: Engine, variant: Variant, prompt_ids, config: DecodeConfig, seed, prompt_index, repeat) -> Run:
     with count_forward_passes(engine.model) as passes:
         start = time.perf_counter()
         result = run(engine.stream(prompt_ids, config))
@@ -156,7 +165,8 @@ def _run_engine(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, se
                None if variant.greedy else seed, len(result.token_ids), list(result.token_ids), result.text,
                seconds, len(result.token_ids) / seconds, passes[0], result.stop_reason,
                [len(s.tokens) for s in result.steps], [len(s.drafts) for s in result.steps],
-               [s.accepted for s in result.steps], scheme=variant.scheme)
+               [s.accepted for s in result.steps], scheme=variant.scheme,
+               passes_per_iteration=[s.forward_passes for s in result.steps])
 
 
 def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat) -> Run:

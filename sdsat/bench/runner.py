@@ -54,7 +54,7 @@ def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], conf
         return
     for variant in variants:
         run_variant(engine, variant, prompt_ids, config.warmup_tokens, seed=config.seed, top_p=config.top_p,
-                    lookup_ngram=config.lookup_ngram)
+                    lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens)
         yield variant
 
 
@@ -68,7 +68,7 @@ def iterate_runs(engine: Engine, variants: list[Variant], prompt_ids: list[list[
             for variant in order:
                 yield run_variant(engine, variant, ids, config.max_new_tokens, seed=config.seed_for(index, repeat),
                                   top_p=config.top_p, lookup_ngram=config.lookup_ngram,
-                                  prompt_index=index, repeat=repeat)
+                                  lookup_tokens=config.lookup_tokens, prompt_index=index, repeat=repeat)
 
 
 def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float = 10.0) -> dict:
