@@ -110,6 +110,10 @@ def test_sdsat_pane_colours_by_source_and_marks_iterations():
     assert html.count("src-rejected") == 2  # iteration 1 rejected d2 and d3
     assert "draft position 1 of 3" in html and "not reached: an earlier draft was rejected" in html
     assert "src-rejected" not in sdsat_html(steps, pieces, {}, show_rejected=False)
+    # A rejected newline or space is not text: it shows as a visible sign, never as an empty span.
+    html = sdsat_html(steps, pieces, {12: "\n", 13: " "}, show_rejected=True)
+    rejected = [t for t in parse_html(html).text if t in ("\u21b5", "\u2423")]
+    assert sorted(rejected) == ["\u21b5", "\u2423"], parse_html(html).text
 
 
 def test_pieces_join_to_the_decoded_text(default_engine):

@@ -145,7 +145,8 @@ def _rejected(step: StepRecord, vocab: dict[int, str]) -> list[str]:
                else "not reached: an earlier draft was rejected")
         title = (f"iteration {step.index + 1} · rejected draft at position {pos} of {step.k}\n{why}\n"
                  f"token id {token}  {piece!r}\nq = {_p(step.draft_probs[pos - 1])} from the SAT")
-        spans.append(_token(piece, "src-rejected", title))
+        # Not part of the text: whitespace is shown as a sign, or a rejected newline would be invisible.
+        spans.append(_token(visible(piece), "src-rejected", title))
     return spans
 
 
