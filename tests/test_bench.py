@@ -280,3 +280,11 @@ def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypat
     assert all(s > 0 for table in costs.values() for s in table.values())
     assert set(lengths) == {10}  # every pass starts from the same context
     assert "| plain causal | 8 |" in pass_cost.report(costs, 10) and "draft [t, SAT×3]" in pass_cost.report(costs, 10)
+    # Two settings, interleaved: each gets its own table of sizes, and each was applied before its passes.
+    applied = []
+    both = pass_cost.measure_settings(types.SimpleNamespace(model=tiny_llama, sat_model=sat_model), [1, 2], context=10,
+                                      repeats=2, settings={"a": lambda: applied.append("a"), "b": lambda: applied.append("b")})
+    assert applied == ["a", "b"] * 3 and set(both) == {"a", "b"}
+    assert all(set(both[n]["plain"]) == {1, 2} and set(both[n]["draft"]) == {1} for n in both)
+    table = pass_cost.compare_report(both, 10)
+    assert "a: relative" in table and "b: ms" in table and "| draft [t, SAT×1] | 2 |" in table

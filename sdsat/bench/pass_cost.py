@@ -25,6 +25,11 @@ from ..decoding import _rollback
 
 def measure(engine, sizes: list[int], context: int, repeats: int, seed: int = 0) -> dict:
     """Median seconds per pass: {"plain": {T: s}, "draft": {k: s}} (draft blocks are k + 1 tokens)."""
+    return measure_settings(engine, sizes, context, repeats, {"": lambda: None}, seed)[""]
+
+
+def measure_settings(engine, sizes: list[int], context: int, repeats: int, settings: dict, seed: int = 0) -> dict:
+    """`measure` under each setting ({name: function that applies it}), interleaved round by round."""
     model, sat_model = engine.model, engine.sat_model
     gen = torch.Generator().manual_seed(seed)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -33,21 +38,24 @@ def measure(engine, sizes: list[int], context: int, repeats: int, seed: int = 0)
     with torch.inference_mode():
         model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache, use_cache=True,
               logits_to_keep=1)
-    times: dict[str, dict[int, list[float]]] = {"plain": {t: [] for t in sizes},
-                                                "draft": {t - 1: [] for t in sizes if 1 <= t - 1 <= sat_model.max_k}}
+    times = {name: {"plain": {t: [] for t in sizes},
+                    "draft": {t - 1: [] for t in sizes if 1 <= t - 1 <= sat_model.max_k}} for name in settings}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        for kind, table in times.items():
-            for size in table:
-                ids = torch.randint(0, vocab, (1, size if kind == "plain" else size + 1), generator=gen).to(device)
-                slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
-                start = time.perf_counter()
-                with torch.inference_mode():
-                    sat_model.forward(ids, slots, cache=cache, logits_to_keep=ids.shape[1])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                table[size].append(time.perf_counter() - start)
-                _rollback(cache, context)
-    return {kind: {size: statistics.median(v[1:]) for size, v in table.items()} for kind, table in times.items()}
+        for name, apply in settings.items():
+            apply()
+            for kind, table in times[name].items():
+                for size in table:
+                    ids = torch.randint(0, vocab, (1, size if kind == "plain" else size + 1), generator=gen).to(device)
+                    slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
+                    start = time.perf_counter()
+                    with torch.inference_mode():
+                        sat_model.forward(ids, slots, cache=cache, logits_to_keep=ids.shape[1])
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    table[size].append(time.perf_counter() - start)
+                    _rollback(cache, context)
+    return {name: {kind: {size: statistics.median(v[1:]) for size, v in table.items()} for kind, table in kinds.items()}
+            for name, kinds in times.items()}
 
 
 def report(costs: dict, context: int) -> str:
@@ -58,6 +66,25 @@ def report(costs: dict, context: int) -> str:
         lines.append(f"| plain causal | {size} | {s * 1e3:.1f} | {s / one:.2f}× |")
     for k, s in costs["draft"].items():
         lines.append(f"| draft [t, SAT×{k}] | {k + 1} | {s * 1e3:.1f} | {s / one:.2f}× |")
+    return "\n".join(lines)
+
+
+def compare_report(results: dict[str, dict], context: int) -> str:
+    """One table with a column pair (ms, relative to that setting's one-token pass) per setting."""
+    names = list(results)
+    first = results[names[0]]
+    lines = [f"KV cache of {context} tokens; median ms per pass, and relative to the same setting's one-token pass", "",
+             "| block | tokens | " + " | ".join(f"{n}: ms | {n}: relative" for n in names) + " |",
+             "|---|---:|" + "---:|---:|" * len(names)]
+    for kind, label in (("plain", "plain causal"), ("draft", "draft [t, SAT×{}]")):
+        for size in first[kind]:
+            cells = []
+            for name in names:
+                costs = results[name]
+                s, one = costs[kind][size], costs["plain"][min(costs["plain"])]
+                cells.append(f"{s * 1e3:.1f} | {s / one:.2f}×")
+            tokens = size if kind == "plain" else size + 1
+            lines.append(f"| {label.format(size)} | {tokens} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -72,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cpu-kernels", action="store_true",
                         help="on a CPU, multiply with nn.Linear as is, not with the fastest "
                        "measured kernel per row count (cpu_kernels.py)")
+    parser.add_argument("--compare-kernels", action="store_true",
+                        help="measure with the routed CPU kernels and with nn.Linear as is, interleaved round by round")
     parser.add_argument("--json", metavar="OUT", help="also write the medians and the machine here")
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.context < 1 or args.repeats < 1:
@@ -89,12 +118,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     sizes = sorted(set(args.tokens) | {1})
-    costs = measure(engine, sizes, args.context, args.repeats)
-    print(report(costs, args.context))
+    if args.compare_kernels:
+        from .. import cpu_kernels
+
+        model = engine.model
+        plan = getattr(model, "_sdsat_kernel_plan", None)
+        if plan is None:
+            print("error: --compare-kernels needs a model on the CPU with routed kernels", file=sys.stderr)
+            return 2
+        settings = {"routed kernels": lambda: cpu_kernels.install(model, plan),
+                    "nn.Linear": lambda: cpu_kernels.uninstall(model)}
+        results = measure_settings(engine, sizes, args.context, args.repeats, settings)
+        cpu_kernels.install(model, plan)
+        text = compare_report(results, args.context)
+    else:
+        results = measure(engine, sizes, args.context, args.repeats)
+        text = report(results, args.context)
+    print(text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"context": args.context, "repeats": args.repeats,
-                                               "machine": machine_info(engine), "seconds": costs}, indent=1) + "\n")
+                                               "machine": machine_info(engine), "seconds": results}, indent=1) + "\n")
     return 0
 
 
