@@ -47,9 +47,9 @@ class DecodeConfig:
     stop_strings: list[str] = field(default_factory=list)  # stop once the output contains one
     scheme: str = "two_step"  # SDSAT: "two_step" (the paper: draft pass, then verify pass) or "fused"
     adaptive_k: bool = False  # SDSAT two_step: shrink / grow k from recent acceptance (k is the upper bound)
-    lookup_tokens: int = 0  # SDSAT two_step: when the last tokens occurred before, verify up to this many tokens
+    lookup_tokens: int = 0  # SDSAT two_step: when the last tokens recur, verify up to this many tokens
     # copied from after that occurrence in one pass instead of drafting with the SATs (prompt lookup); 0: off
-    lookup_ngram: int = 2  # longest run of last tokens to look up
+    lookup_ngram: int = 2  # how many last tokens must recur for a lookup (1 was measured worse on chat: too weak a hint)
 
     def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
         if self.method not in METHODS:
@@ -398,12 +398,11 @@ def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, draft
 
 def _lookup(history: list[int], ngram: int, max_tokens: int) -> list[int]:
     """Prompt lookup: up to `max_tokens` tokens that followed the latest earlier occurrence of the last
-    n tokens of `history`, trying the longest n (<= `ngram`) first; [] when they never occurred."""
-    for n in range(min(ngram, len(history) - 1), 0, -1):
-        tail = history[-n:]
-        for start in range(len(history) - n - 1, -1, -1):
-            if history[start:start + n] == tail:
-                return history[start + n:start + n + max_tokens]
+    `ngram` tokens of `history`; [] when they never occurred."""
+    tail = history[-ngram:]
+    for start in range(len(history) - ngram - 1, -1, -1):
+        if history[start:start + ngram] == tail:
+            return history[start + ngram:start + ngram + max_tokens]
     return []
 
 

@@ -185,12 +185,13 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
     assert stats["drafts dropped: eos"] > 0 and stats["drafts dropped: max_new_tokens"] > 0, stats
 
 
-def test_lookup_finds_the_latest_earlier_occurrence_longest_ngram_first():
+def test_lookup_finds_the_latest_earlier_occurrence_of_the_last_ngram():
     assert _lookup([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [9, 2, 5]  # latest "5 6"
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3" beats the later "3"
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [4, 8]  # only "3": the latest
-    assert _lookup([4, 5, 6], ngram=2, max_tokens=4) == []  # never occurred
-    assert _lookup([7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3"; a lone "3" does not count
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [4, 8]  # "3": the latest
+    assert _lookup([4, 5, 6, 5], ngram=2, max_tokens=4) == []  # "6 5" never occurred ("5" alone did)
+    assert _lookup([7, 7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
+    assert _lookup([3], ngram=2, max_tokens=4) == []  # shorter than the n-gram
 
 
 def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
@@ -199,10 +200,10 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
         prompt = prompt + prompt[:4]  # a repeat, so lookup has something to copy from the start
         budget = 16 + 3 * n
         reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
-        for k, lookup in itertools.product((1, 3), (1, 4)):
-            config = replace(greedy("sdsat", k, budget), lookup_tokens=lookup)
+        for k, lookup, ngram in itertools.product((1, 3), (1, 4), (1, 2)):  # ngram 1: weak hints, often rejected
+            config = replace(greedy("sdsat", k, budget), lookup_tokens=lookup, lookup_ngram=ngram)
             result = run(decode(sat_model, TOKENIZER, prompt, config, []))
-            assert result.token_ids == reference, f"k={k} lookup={lookup} prompt={prompt}"
+            assert result.token_ids == reference, f"k={k} lookup={lookup} ngram={ngram} prompt={prompt}"
             check_records(result, prompt, sdsat=True)
             for step in result.steps:
                 if step.draft_source == "lookup":

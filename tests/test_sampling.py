@@ -96,7 +96,9 @@ def draw(sat_model: SatModel, method: str, k: int, settings: dict, seeds: range,
     """Counts of the first NEW_TOKENS tokens over seeded runs, and counts of verification outcomes."""
     samples, sources = Counter(), Counter()
     for seed in seeds:
+        # lookup_ngram 1: a repeated single token is enough, so copies are drafted within three tokens
         config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS, scheme=scheme, lookup_tokens=lookup_tokens,
+                              lookup_ngram=1,
                               sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
         result = run(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
         assert len(result.token_ids) == NEW_TOKENS
