@@ -47,7 +47,7 @@ def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = ["--limit", "2", "--max-new-tokens", "8", "--k", "1", "3", "--schemes", "two_step", "fused", "lookup",
             "--sample-k", "2",
-            "--temperatures", "1.0",
+            "--temperatures", "1.0", "--lookup-ngram", "1",  # one recurring token: copies within 8 tokens
             "--warmup-tokens", "2", "--out-dir", str(out), "--no-png", "--quiet"]
     import io
     from contextlib import redirect_stdout

@@ -6,6 +6,8 @@ T; on a CPU a one-token pass multiplies matrices by a vector, a wider one by a m
 kernels differ. This measures it on the loaded model, with a KV cache of `--context` tokens, for
 plain causal blocks (what vanilla, prompt lookup and SDSAT's verify pass feed) and for SDSAT draft
 blocks [token, SAT x k]. Sizes are interleaved in every repeat; medians are reported.
+`--compare-kernels` measures with the routed CPU kernels (`sdsat/cpu_kernels.py`) and with plain
+`nn.Linear`, switching between them round by round.
 """
 
 from __future__ import annotations
