@@ -14,6 +14,7 @@ Results agree with `nn.Linear` to float rounding; wider blocks and gradients use
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 import types
@@ -25,6 +26,9 @@ from torch import nn
 
 VARIANTS = ("linear", "weight_left", "transposed")  # x W^T as F.linear, as (W x^T)^T, as x (W^T stored)
 MAX_ROWS = 16  # blocks of more rows always use nn.Linear
+# "transposed" keeps a second copy of each weight it routes; above this many bytes of weights it is not
+# offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
+COPY_LIMIT_BYTES = 2 << 30
 
 
 @dataclass
@@ -72,7 +76,7 @@ def cpu_name() -> str:
 def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_file: Path | None = None) -> KernelPlan:
     """Time every variant for each weight shape and row count on `model`'s float32 CPU weights.
 
-    About 10 s for SmolLM2-135M on 2 cores; the plan is kept for the process and, with `cache_file`,
+    About 13 s for SmolLM2-135M on 2 cores; the plan is kept for the process and, with `cache_file`,
     on disk under a key of the machine, torch, thread count and layer shapes.
     """
     groups = _groups(model)
@@ -81,34 +85,36 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
     if key in _PLANS:
         return _PLANS[key]
     stored = _read(cache_file)
-    if key in stored:
+    if isinstance(stored.get(key), dict):
         _PLANS[key] = KernelPlan({tuple(map(int, s.split("x"))): v for s, v in stored[key].items()})
         return _PLANS[key]
     start = time.perf_counter()
     plan = KernelPlan()
+    total = sum(m.weight.numel() * m.weight.element_size() for mods in groups.values() for m in mods)
+    variants = VARIANTS if total <= COPY_LIMIT_BYTES else tuple(v for v in VARIANTS if v != "transposed")
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for shape, modules in groups.items():
             weights = [m.weight for m in modules]
-            transposed = [w.t().contiguous() for w in weights]
+            transposed = [w.t().contiguous() if "transposed" in variants else None for w in weights]
             best = []
             for rows in range(1, max_rows + 1):
                 x = torch.randn(rows, shape[1], generator=gen)
-                times = {v: float("inf") for v in VARIANTS}
+                times = {v: float("inf") for v in variants}
                 for _ in range(repeats + 1):  # interleaved; the first round also warms up
-                    for variant in VARIANTS:
+                    for variant in variants:
                         t0 = time.perf_counter()
                         for w, wt in zip(weights, transposed):
                             _product(variant, x, w, wt)
                         times[variant] = min(times[variant], time.perf_counter() - t0)
-                best.append(min(VARIANTS, key=times.__getitem__))
+                best.append(min(variants, key=times.__getitem__))
             plan.choices[shape] = best
     plan.seconds = time.perf_counter() - start
     _PLANS[key] = plan
     if cache_file is not None:
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{id(plan)}")
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(_read(cache_file) | {key: plan.summary()}, indent=1))
             tmp.replace(cache_file)
         except OSError:  # a read-only home: tune again next time
@@ -118,9 +124,10 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
 
 def _read(cache_file: Path | None) -> dict:
     try:
-        return json.loads(cache_file.read_text()) if cache_file is not None else {}
+        stored = json.loads(cache_file.read_text()) if cache_file is not None else {}
     except (OSError, ValueError):
         return {}
+    return stored if isinstance(stored, dict) else {}  # a damaged file is replaced
 
 
 def install(model: nn.Module, plan: KernelPlan) -> int:

@@ -290,8 +290,11 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             k = k_policy.next_k()
             kv_before = cache.get_seq_length()
             emitted, sources, probs, pass_seconds = [], [], [], []
-            copies = (_lookup(history, config.lookup_ngram, config.lookup_tokens)
-                      if config.lookup_tokens and drafts is None and len(pending) == 1 else [])
+            # Copies beyond what may still be emitted (the bonus included) would be verified for nothing,
+            # and could run past the model's context, which check_context sized for k drafts.
+            room = config.max_new_tokens - (len(history) - len(prompt_ids)) - 1
+            copies = (_lookup(history, config.lookup_ngram, min(config.lookup_tokens, room))
+                      if config.lookup_tokens and room > 0 and drafts is None and len(pending) == 1 else [])
             t0 = clock.now()
             if copies:
                 # Prompt lookup found a continuation: verify the copied tokens right after the bonus

@@ -88,3 +88,23 @@ def test_default_model_is_routed_by_its_plan_and_agrees_with_nn_linear(default_e
             cpu_kernels.install(model, plan)
     torch.testing.assert_close(routed, plain, rtol=1e-4, atol=1e-4)
     assert torch.equal(routed.argmax(-1), plain.argmax(-1))
+
+
+def test_large_models_get_no_second_copy_of_their_weights(monkeypatch):
+    model = make_tiny_llama()
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    monkeypatch.setattr(cpu_kernels, "COPY_LIMIT_BYTES", 1)  # every model is "large"
+    plan = cpu_kernels.tune(model, max_rows=3, repeats=1)
+    assert all("transposed" not in v for v in plan.choices.values())
+    cpu_kernels.install(model, plan)
+    assert all(getattr(m, "_sdsat_weight_t", None) is None for m in model.modules())
+
+
+def test_a_damaged_plan_file_is_replaced(tmp_path, monkeypatch):
+    model = make_tiny_llama()
+    cache = tmp_path / "kernels.json"
+    for damaged in ("null", "[]", "{not json"):
+        cache.write_text(damaged)
+        monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+        plan = cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache)
+        assert list(json.loads(cache.read_text()).values()) == [plan.summary()]

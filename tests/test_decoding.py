@@ -205,12 +205,14 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
             result = run(decode(sat_model, TOKENIZER, prompt, config, []))
             assert result.token_ids == reference, f"k={k} lookup={lookup} ngram={ngram} prompt={prompt}"
             check_records(result, prompt, sdsat=True)
+            emitted = 0
             for step in result.steps:
-                if step.draft_source == "lookup":
-                    assert 1 <= step.k <= lookup and step.draft_probs == [1.0] * step.k
+                if step.draft_source == "lookup":  # never more copies than tokens still to emit, bonus aside
+                    assert 1 <= step.k <= min(lookup, budget - emitted - 1) and step.draft_probs == [1.0] * step.k
                     stats["lookup accepted"] += step.accepted
                     stats["lookup rejected"] += len(step.rejected)
                 stats[step.draft_source] += 1
+                emitted += len(step.tokens)
     assert stats["lookup"] > 20 and stats["sat"] > 20, stats  # both sources drafted
     assert stats["lookup accepted"] > 10 and stats["lookup rejected"] > 5, stats
 

@@ -215,7 +215,8 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
-        model, tokenizer = load_model(LoadConfig(model=config.model))
+        # Training changes weights (paper mode) that routed CPU kernels would hold stale copies of.
+        model, tokenizer = load_model(LoadConfig(model=config.model, cpu_kernels=False))
     corpus = corpus or build_corpus(config, model, tokenizer)
     train_corpus, held_out = corpus.split(config.held_out, random.Random(config.seed))
     separator = model.generation_config.eos_token_id

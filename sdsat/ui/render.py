@@ -125,7 +125,7 @@ def sdsat_html(steps: Sequence[StepRecord], pieces: Sequence[str], vocab: dict[i
             where = f"draft position {j} of {step.k}" if source == "draft" else SOURCE_LABEL[source]
             title = f"iteration {step.index + 1} · {where}\ntoken id {token}  {piece!r}\np = {_p(prob)}"
             if source == "draft":
-                title += f"   (q = {_p(step.draft_probs[j - 1])} from the SAT)"
+                title += f"   ({_draft_origin(step, j - 1)})"
             if show_rejected and source == "bonus":
                 spans.extend(_rejected(step, vocab))
             spans.append(_token(piece, f"src-{source}", title, token in special_ids))
@@ -144,10 +144,16 @@ def _rejected(step: StepRecord, vocab: dict[int, str]) -> list[str]:
         why = ("the model chose differently here" if pos == step.accepted + 1
                else "not reached: an earlier draft was rejected")
         title = (f"iteration {step.index + 1} · rejected draft at position {pos} of {step.k}\n{why}\n"
-                 f"token id {token}  {piece!r}\nq = {_p(step.draft_probs[pos - 1])} from the SAT")
+                 f"token id {token}  {piece!r}\n{_draft_origin(step, pos - 1)}")
         # Not part of the text: whitespace is shown as a sign, or a rejected newline would be invisible.
         spans.append(_token(visible(piece), "src-rejected", title))
     return spans
+
+
+def _draft_origin(step: StepRecord, i: int) -> str:
+    if step.draft_source == "lookup":
+        return "copied by prompt lookup"
+    return f"q = {_p(step.draft_probs[i])} from the SAT"
 
 
 def _pane(body: str, kind: str) -> str:
