@@ -96,18 +96,22 @@ def draw(sat_model: SatModel, method: str, k: int, settings: dict, seeds: range,
     """Counts of the first NEW_TOKENS tokens over seeded runs, and counts of verification outcomes."""
     samples, sources = Counter(), Counter()
     for seed in seeds:
-        # lookup_ngram 1: a repeated single token is enough, so copies are drafted within three tokens
-        config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS, scheme=scheme, lookup_tokens=lookup_tokens,
-                              lookup_ngram=1,
+        # Lookup: a repeated single token is enough (lookup_ngram 1), and one token more is decoded,
+        # because copies are only drafted while two or more tokens remain; the first three are counted.
+        extra = 1 if lookup_tokens else 0
+        config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS + extra, scheme=scheme,
+                              lookup_tokens=lookup_tokens, lookup_ngram=1,
                               sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
         result = run(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
-        assert len(result.token_ids) == NEW_TOKENS
-        samples[tuple(result.token_ids)] += 1
+        assert len(result.token_ids) == NEW_TOKENS + extra
+        samples[tuple(result.token_ids[:NEW_TOKENS])] += 1
+        emitted = 0
         for step in result.steps:
             sources["accepted"] += step.accepted
             sources["rejection"] += step.accepted < step.k
             sources["bonus"] += step.accepted == step.k
-            sources["lookup"] += step.draft_source == "lookup"
+            sources["lookup"] += step.draft_source == "lookup" and emitted < NEW_TOKENS  # copies within the three
+            emitted += len(step.tokens)
     return samples, sources
 
 
