@@ -185,6 +185,10 @@ def format_stats(result, sat_trained: bool = True) -> str:
         lines += [f"mean accepted length: {result.mean_tokens_per_iteration:.2f} tokens per iteration "
                   f"(the verified and bonus tokens counted), {result.mean_accepted_drafts:.2f} accepted drafts",
                   f"acceptance by draft position: {positions}"]
+        copied = sum(step.draft_source == "lookup" for step in result.steps)
+        if copied:
+            lines.append(f"prompt lookup: {copied} of {len(result.steps)} iterations verified copied tokens instead "
+                         "of SAT drafts (one pass each; the lines above count both)")
         if not sat_trained:
             lines.append("note: these SATs are an untrained adapter, so drafts are rarely accepted")
     return "\n".join(lines)

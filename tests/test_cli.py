@@ -52,6 +52,16 @@ def test_greedy_sdsat_prints_the_same_text_as_vanilla(sdsat_json: dict):
     assert f"vanilla: {len(sdsat_json['token_ids'])} new tokens" in stats and "tokens/s" in stats
 
 
+def test_lookup_verifies_copies_and_prints_the_same_text():
+    prompt = "red, green, blue, red, green, blue, red, green, blue, red,"  # a pattern the model goes on with
+    vanilla = cli("--prompt", prompt, "--method", "vanilla", "--max-new-tokens", "24")
+    lookup = cli("--prompt", prompt, "--lookup", "8", "--max-new-tokens", "24")
+    assert vanilla.returncode == lookup.returncode == 0, vanilla.stderr + lookup.stderr
+    sep = "\n" + "-" * 60 + "\n"
+    assert lookup.stdout.partition(sep)[0] == vanilla.stdout.partition(sep)[0]
+    assert "prompt lookup: " in lookup.stdout and "iterations verified copied tokens" in lookup.stdout
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""
