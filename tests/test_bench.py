@@ -135,6 +135,11 @@ def test_pass_at_1_table_and_figures(bench_run):
     assert (out / "results.md").read_text() in stdout
     for name in ("speedup_vs_k", "tokens_per_second", "acceptance_by_position"):
         assert (out / f"{name}.html").stat().st_size > 1000
+    from sdsat.bench.figures import tokens_per_second
+
+    boxes = {trace.name: list(trace.y) for trace in tokens_per_second(payload).data}
+    assert len(boxes) == len(payload["summary"]["variants"])
+    assert all(len(values) == 2 for values in boxes.values()), boxes  # one run per prompt: schemes kept apart
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kaleido") is None or not shutil.which("chromium"),

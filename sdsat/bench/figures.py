@@ -12,6 +12,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from .methods import BENCH_SCHEMES, label_of
+from .stats import variant_key
 
 _LAYOUT = dict(template="plotly_white", width=900, height=520, margin=dict(l=70, r=30, t=90, b=60))
 
@@ -52,11 +53,12 @@ def speedup_vs_k(payload: dict) -> go.Figure:
             fig.add_trace(go.Scatter(x=[row["k"]], y=[row["median_speedup"]], mode="markers", name=row["label"],
                                      marker=dict(symbol="diamond", size=11)))
     dashes = {"vanilla": "solid", "generate": "dot", "prompt_lookup": "dash"}
-    for row in rows:
+    sides = {"vanilla": "bottom left", "generate": "top right", "prompt_lookup": "top left"}  # vanilla and
+    for row in rows:  # generate sit at ~1.00x: their labels go to opposite corners so they do not overlap
         if row["method"] in dashes and row["median_speedup"] is not None:
             fig.add_hline(y=row["median_speedup"], line_dash=dashes[row["method"]], line_color="gray",
                           annotation_text=f"{row['label']} {row['median_speedup']:.2f}×",
-                          annotation_position="top left")
+                          annotation_position=sides[row["method"]])
     fig.update_layout(title=_title("Speed-up over vanilla decoding against k (drafts per step)", payload),
                       xaxis_title="k (adaptive tokens per step)", yaxis_title="median speed-up (×)",
                       xaxis=dict(dtick=1), yaxis_rangemode="tozero", **_LAYOUT)
@@ -67,8 +69,7 @@ def tokens_per_second(payload: dict) -> go.Figure:
     """Per-prompt tokens/s of every method and setting, as box plots."""
     fig = go.Figure()
     for row in payload["summary"]["variants"]:
-        values = [r["tokens_per_second"] for r in payload["runs"]
-                  if (r["method"], r["k"], r["temperature"]) == (row["method"], row["k"], row["temperature"])]
+        values = [r["tokens_per_second"] for r in payload["runs"] if variant_key(r) == variant_key(row)]
         fig.add_trace(go.Box(y=values, name=row["label"], boxpoints="all", jitter=0.4, pointpos=0,
                              marker=dict(size=4), showlegend=False))
     fig.update_layout(title=_title("Tokens per second, one point per run", payload),
