@@ -147,9 +147,15 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
 
 
 def uninstall(model: nn.Module) -> None:
+    model.__dict__.pop("_sdsat_kernel_plan", None)
     for module in model.modules():
         if isinstance(module, nn.Linear) and "forward" in module.__dict__:
             del module.forward, module._sdsat_choices, module._sdsat_weight_t
+
+
+def installed_plan(model: nn.Module) -> KernelPlan | None:
+    """The plan `install` routed `model` by, or None (not routed, or uninstalled)."""
+    return getattr(model, "_sdsat_kernel_plan", None)
 
 
 def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -61,14 +61,8 @@ def measure_settings(engine, sizes: list[int], context: int, repeats: int, setti
 
 
 def report(costs: dict, context: int) -> str:
-    one = costs["plain"][min(costs["plain"])]
-    lines = [f"KV cache of {context} tokens; median ms per pass (relative to a one-token pass)", "",
-             "| block | tokens | ms | relative |", "|---|---:|---:|---:|"]
-    for size, s in costs["plain"].items():
-        lines.append(f"| plain causal | {size} | {s * 1e3:.1f} | {s / one:.2f}× |")
-    for k, s in costs["draft"].items():
-        lines.append(f"| draft [t, SAT×{k}] | {k + 1} | {s * 1e3:.1f} | {s / one:.2f}× |")
-    return "\n".join(lines)
+    """The table of one setting's `measure`."""
+    return compare_report({"": costs}, context)
 
 
 def compare_report(results: dict[str, dict], context: int) -> str:
@@ -76,7 +70,8 @@ def compare_report(results: dict[str, dict], context: int) -> str:
     names = list(results)
     first = results[names[0]]
     lines = [f"KV cache of {context} tokens; median ms per pass, and relative to the same setting's one-token pass", "",
-             "| block | tokens | " + " | ".join(f"{n}: ms | {n}: relative" for n in names) + " |",
+             "| block | tokens | " + " | ".join(f"{n}: ms | {n}: relative" if n else "ms | relative" for n in names)
+             + " |",
              "|---|---:|" + "---:|---:|" * len(names)]
     for kind, label in (("plain", "plain causal"), ("draft", "draft [t, SAT×{}]")):
         for size in first[kind]:
@@ -124,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from .. import cpu_kernels
 
         model = engine.model
-        plan = getattr(model, "_sdsat_kernel_plan", None)
+        plan = cpu_kernels.installed_plan(model)
         if plan is None:
             print("error: --compare-kernels needs a model on the CPU with routed kernels", file=sys.stderr)
             return 2

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from ..cpu_kernels import cpu_name
+from ..cpu_kernels import cpu_name, installed_plan
 from ..engine import Engine
 from .humaneval import check_completion
 from .methods import GREEDY_METHODS, METHODS, Run, Variant, label_of, run_variant
@@ -111,7 +111,7 @@ def machine_info(engine: Engine) -> dict:
     import transformers
 
     param = next(engine.model.parameters())
-    plan = getattr(engine.model, "_sdsat_kernel_plan", None)
+    plan = installed_plan(engine.model)
     info = {
         "cpu": cpu_name(),
         "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)",
