@@ -2,13 +2,14 @@
 
 A decoder multiplies every weight matrix by 1 row (vanilla), or by a handful of rows (speculative
 passes). On CPUs the BLAS kernel that `nn.Linear` reaches for a few rows can be far from the best:
-measured here (2-core AMD EPYC, MKL, SmolLM2-135M), a whole 2-token pass cost 1.7x a 1-token pass
-through `nn.Linear`, but 1.07x when each product was computed as ``W @ x.T``, and a 1-token pass
-was 15% faster as ``x @ W.T`` with W.T stored contiguously. Which form wins depends on the matrix
-shape, the row count and the machine, so `tune` times three equivalent forms for every distinct
-weight shape and row count 1..max_rows on the model's own weights (cycling through all layers, so
-the weights come from memory as in a real pass), and `install` routes each product to the fastest.
-Results agree with `nn.Linear` to float rounding; wider blocks and gradients use `nn.Linear` as is.
+measured here (2-core AMD EPYC, MKL, SmolLM2-135M), the products of a whole pass took 43 ms for 1 row
+and 60 ms for 4 through `nn.Linear`, but 25 ms and 20 ms through oneDNN with each weight stored in the
+blocked layout oneDNN prefers (MKL takes a slow path on AMD processors; oneDNN dispatches on the
+instruction set). Which form wins depends on the matrix shape, the row count and the machine, so
+`tune` times the equivalent forms for every distinct weight shape and row count 1..max_rows on the
+model's own weights (cycling through all layers, so the weights come from memory as in a real pass),
+and `install` routes each product to the fastest. Results agree with `nn.Linear` to float rounding;
+wider blocks and gradients use `nn.Linear` as is.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-VARIANTS = ("linear", "weight_left", "transposed")  # x W^T as F.linear, as (W x^T)^T, as x (W^T stored)
-MAX_ROWS = 16  # blocks of more rows always use nn.Linear
-# "transposed" keeps a second copy of each weight it routes; above this many bytes of weights it is not
-# offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
+# x W^T as F.linear, as (W x^T)^T, through oneDNN, through oneDNN with W stored in its blocked layout
+VARIANTS = ("linear", "weight_left", "onednn", "onednn_packed")
+MAX_ROWS = 32  # blocks of more rows always use nn.Linear
+# Row counts timed: every one up to 16 (drafts, verification), then a few (SAT trees, prompt lookup);
+# a count in between takes the choice of the next timed one.
+TIMED_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)
+# "onednn_packed" keeps a second copy of each weight it routes; above this many bytes of weights it is
+# not offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
 COPY_LIMIT_BYTES = 2 << 30
+_PLAN_FORMAT = 2  # part of the stored plan's key: plans of other variant sets are tuned again
 
 
 @dataclass
@@ -45,13 +51,34 @@ class KernelPlan:
 _PLANS: dict[str, KernelPlan] = {}  # one tuning per process, machine, model layout and thread count
 
 
-def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) times W^T, for W (out, in): (M, out)."""
+def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """x (M, in) times W^T, for W (out, in): (M, out); `packed` is W by `_pack`, used when given."""
     if variant == "weight_left":
         return (weight @ x.t()).t()
-    if variant == "transposed":
-        return x @ weight_t
+    if variant in ("onednn", "onednn_packed"):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None else packed, None, "none",
+                                                  [], "")
     return nn.functional.linear(x, weight)
+
+
+def _pack(weight: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """W in oneDNN's blocked layout for products of up to `max_rows` rows (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, max_rows)
+
+
+def _available_variants(total_bytes: int) -> tuple[str, ...]:
+    """The variants this torch build can run (oneDNN's ops are internal to torch: checked, not assumed)."""
+    variants = ["linear", "weight_left"]
+    try:
+        w, x = torch.ones(2, 3), torch.ones(1, 3)
+        if torch.equal(_product("onednn", x, w, None), torch.full((1, 2), 3.0)):
+            variants.append("onednn")
+            if total_bytes <= COPY_LIMIT_BYTES and torch.equal(_product("onednn_packed", x, w, _pack(w, 2)),
+                                                               torch.full((1, 2), 3.0)):
+                variants.append("onednn_packed")
+    except (AttributeError, RuntimeError):
+        pass
+    return tuple(variants)
 
 
 def _groups(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
@@ -80,7 +107,7 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
     on disk under a key of the machine, torch, thread count and layer shapes.
     """
     groups = _groups(model)
-    key = json.dumps([cpu_name(), torch.__version__, torch.get_num_threads(), max_rows,
+    key = json.dumps([_PLAN_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), max_rows,
                       sorted([list(shape), len(mods)] for shape, mods in groups.items())])
     if key in _PLANS:
         return _PLANS[key]
@@ -91,24 +118,24 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
     start = time.perf_counter()
     plan = KernelPlan()
     total = sum(m.weight.numel() * m.weight.element_size() for mods in groups.values() for m in mods)
-    variants = VARIANTS if total <= COPY_LIMIT_BYTES else tuple(v for v in VARIANTS if v != "transposed")
+    variants = _available_variants(total)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for shape, modules in groups.items():
             weights = [m.weight for m in modules]
-            transposed = [w.t().contiguous() if "transposed" in variants else None for w in weights]
-            best = []
-            for rows in range(1, max_rows + 1):
+            packed = [_pack(w, max_rows) if "onednn_packed" in variants else None for w in weights]
+            best = {}
+            for rows in [r for r in TIMED_ROWS if r < max_rows] + [max_rows]:
                 x = torch.randn(rows, shape[1], generator=gen)
                 times = {v: float("inf") for v in variants}
                 for _ in range(repeats + 1):  # interleaved; the first round also warms up
                     for variant in variants:
                         t0 = time.perf_counter()
-                        for w, wt in zip(weights, transposed):
-                            _product(variant, x, w, wt)
+                        for w, p in zip(weights, packed):
+                            _product(variant, x, w, p)
                         times[variant] = min(times[variant], time.perf_counter() - t0)
-                best.append(min(variants, key=times.__getitem__))
-            plan.choices[shape] = best
+                best[rows] = min(variants, key=times.__getitem__)
+            plan.choices[shape] = [best[min(t for t in best if t >= rows)] for rows in range(1, max_rows + 1)]
     plan.seconds = time.perf_counter() - start
     _PLANS[key] = plan
     if cache_file is not None:
@@ -140,7 +167,7 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
             continue
         for module in modules:
             module._sdsat_choices = choices
-            module._sdsat_weight_t = module.weight.t().contiguous() if "transposed" in choices else None
+            module._sdsat_packed = _pack(module.weight, len(choices)) if "onednn_packed" in choices else None
             module.forward = types.MethodType(_routed_forward, module)
             routed += 1
     return routed
@@ -150,7 +177,7 @@ def uninstall(model: nn.Module) -> None:
     model.__dict__.pop("_sdsat_kernel_plan", None)
     for module in model.modules():
         if isinstance(module, nn.Linear) and "forward" in module.__dict__:
-            del module.forward, module._sdsat_choices, module._sdsat_weight_t
+            del module.forward, module._sdsat_choices, module._sdsat_packed
 
 
 def installed_plan(model: nn.Module) -> KernelPlan | None:
@@ -162,7 +189,7 @@ def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if not 1 <= rows <= len(self._sdsat_choices) or torch.is_grad_enabled():
         return nn.functional.linear(x, self.weight, self.bias)
-    out = _product(self._sdsat_choices[rows - 1], x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_weight_t)
+    out = _product(self._sdsat_choices[rows - 1], x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_packed)
     if self.bias is not None:
         out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -72,6 +72,25 @@ def test_tune_times_each_shape_and_keeps_the_plan_on_disk(tmp_path, monkeypatch)
     assert cpu_kernels.tune(model, max_rows=4, repeats=1, cache_file=cache).choices == plan.choices
 
 
+def test_wide_blocks_are_timed_at_a_few_row_counts_and_take_the_next_ones_choice(monkeypatch):
+    model = make_tiny_llama()
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    timed = set()
+    original = cpu_kernels._product
+    monkeypatch.setattr(cpu_kernels, "_product", lambda v, x, *a: timed.add(x.shape[0]) or original(v, x, *a))
+    plan = cpu_kernels.tune(model, max_rows=26, repeats=1)
+    assert timed == set(range(1, 17)) | {20, 24, 26}
+    for choices in plan.choices.values():
+        assert len(choices) == 26
+        assert choices[16:20] == [choices[19]] * 4 and choices[20:24] == [choices[23]] * 4  # 17..20, 21..24
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_onednn_forms_are_offered_and_the_packed_copy_only_below_the_limit(monkeypatch):
+    assert cpu_kernels._available_variants(1 << 20) == VARIANTS
+    assert cpu_kernels._available_variants(cpu_kernels.COPY_LIMIT_BYTES + 1) == ("linear", "weight_left", "onednn")
+
+
 def test_default_model_is_routed_by_its_plan_and_agrees_with_nn_linear(default_engine):
     model = default_engine.model
     plan = model._sdsat_kernel_plan
@@ -95,9 +114,9 @@ def test_large_models_get_no_second_copy_of_their_weights(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_PLANS", {})
     monkeypatch.setattr(cpu_kernels, "COPY_LIMIT_BYTES", 1)  # every model is "large"
     plan = cpu_kernels.tune(model, max_rows=3, repeats=1)
-    assert all("transposed" not in v for v in plan.choices.values())
+    assert all("onednn_packed" not in v for v in plan.choices.values())
     cpu_kernels.install(model, plan)
-    assert all(getattr(m, "_sdsat_weight_t", None) is None for m in model.modules())
+    assert all(getattr(m, "_sdsat_packed", None) is None for m in model.modules())
 
 
 def test_a_damaged_plan_file_is_replaced(tmp_path, monkeypatch):
