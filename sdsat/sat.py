@@ -181,8 +181,13 @@ class SatAdapter(nn.Module):
             current = _SAT_ROWS.get()
             if current is None:
                 return None
-            start = current[0]
-            return _add_to_tail(output, start, (inputs[0][:, start:] @ self.lora_a[key]) @ self.lora_b[key] * self.scale)
+            start, x = current[0], inputs[0]
+            if output.shape[0] == 1 and not torch.is_grad_enabled():
+                # Decoding: one multiply-add into the SAT rows of the layer's fresh output (this hook runs
+                # for every adapted layer of a draft pass, so its few small ops add up on a CPU).
+                output[0, start:].addmm_(x[0, start:] @ self.lora_a[key], self.lora_b[key], alpha=self.scale)
+                return output
+            return _add_to_tail(output, start, (x[:, start:] @ self.lora_a[key]) @ self.lora_b[key] * self.scale)
 
         return hook
 
