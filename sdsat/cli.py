@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--adaptive-k", action="store_true", help="SDSAT two_step: adapt k to recent acceptance, up to --k")
     what.add_argument("--lookup", type=int, default=0, metavar="N",
                       help="SDSAT two_step: when the last tokens occurred before in the prompt or output, verify up "
-                           "to N tokens copied from there (prompt lookup) instead of drafting; 0..64, default 0 (off)")
+                           "to N tokens copied from there (prompt lookup) instead of SAT drafts; 0..64, default 0 (off)")
     what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
                       help=f"stop after this many new tokens (default {DecodeConfig.max_new_tokens})")
     what.add_argument("--stop", action="append", default=[], metavar="STR",
@@ -187,8 +187,9 @@ def format_stats(result, sat_trained: bool = True) -> str:
                   f"acceptance by draft position: {positions}"]
         copied = sum(step.draft_source == "lookup" for step in result.steps)
         if copied:
+            at_once = sum(step.draft_source == "lookup" and step.forward_passes == 1 for step in result.steps)
             lines.append(f"prompt lookup: {copied} of {len(result.steps)} iterations verified copied tokens instead "
-                         "of SAT drafts (one pass each; the lines above count both)")
+                         f"of SAT drafts ({at_once} of them without a draft pass; the lines above count both)")
         if not sat_trained:
             lines.append("note: these SATs are an untrained adapter, so drafts are rarely accepted")
     return "\n".join(lines)

@@ -33,6 +33,9 @@ from .sat import SatModel
 
 METHODS = ("vanilla", "sdsat")
 SCHEMES = ("two_step", "fused")
+# Prompt lookup prefers the longest recurring suffix up to this many tokens: a longer match is a more
+# specific hint (on HumanEval outputs, offline: 4 → 2 tokens copied 2.42 vs 2.37 tokens per pass).
+LOOKUP_LONGEST_NGRAM = 4
 
 
 @dataclass
@@ -48,8 +51,10 @@ class DecodeConfig:
     scheme: str = "two_step"  # SDSAT: "two_step" (the paper: draft pass, then verify pass) or "fused"
     adaptive_k: bool = False  # SDSAT two_step: shrink / grow k from recent acceptance (k is the upper bound)
     lookup_tokens: int = 0  # SDSAT two_step: when the last tokens recur, verify up to this many tokens
-    # copied from after that occurrence in one pass instead of drafting with the SATs (prompt lookup); 0: off
-    lookup_ngram: int = 2  # how many last tokens must recur for a lookup (1 was measured worse on chat: too weak a hint)
+    # copied from after that occurrence instead of SAT drafts (prompt lookup): in one pass when the bonus
+    # token completes the recurring n-gram, else in the verify pass after the draft pass's token; 0: off
+    lookup_ngram: int = 2  # at least this many last tokens must recur (1 was measured worse on chat: too weak
+    # a hint); longer recurring suffixes, up to LOOKUP_LONGEST_NGRAM, are preferred
 
     def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
         if self.method not in METHODS:
@@ -307,6 +312,11 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
                 pending = [int(t_tok[0])]
                 pass_seconds.append(clock.now() - t0)
                 prefill_seconds = prefill_seconds or pass_seconds[0]
+                # t may complete a recurring n-gram: its copies are then a better bet than the SAT drafts.
+                copies = (_lookup(history + emitted, config.lookup_ngram, min(config.lookup_tokens, room - 1))
+                          if config.lookup_tokens and room > 1 else [])
+                if copies:
+                    drafts = torch.tensor(copies, device=device)
             # 2. Verify [t, d_1..d_k]: p after t and after each draft (fused: and the next drafts).
             t1 = clock.now()
             base = cache.get_seq_length()
@@ -400,12 +410,13 @@ def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, draft
 
 
 def _lookup(history: list[int], ngram: int, max_tokens: int) -> list[int]:
-    """Prompt lookup: up to `max_tokens` tokens that followed the latest earlier occurrence of the last
-    `ngram` tokens of `history`; [] when they never occurred."""
-    tail = history[-ngram:]
-    for start in range(len(history) - ngram - 1, -1, -1):
-        if history[start:start + ngram] == tail:
-            return history[start + ngram:start + ngram + max_tokens]
+    """Prompt lookup: up to `max_tokens` tokens that followed the latest earlier occurrence of the longest
+    recurring suffix of `history` (at least `ngram`, at most LOOKUP_LONGEST_NGRAM tokens); [] if none."""
+    for n in range(max(ngram, LOOKUP_LONGEST_NGRAM), ngram - 1, -1):
+        tail = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == tail:
+                return history[start + n:start + n + max_tokens]
     return []
 
 

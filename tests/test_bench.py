@@ -117,9 +117,11 @@ def test_forward_passes_are_counted_honestly(bench_run):
                 fused += 1
                 assert passes == [2] + [1] * (iterations - 1)
                 assert all(d == run["k"] for d in run["drafted_per_iteration"])
-            else:  # two passes (draft, verify) per iteration, one where prompt lookup supplied the drafts
+            else:  # two passes (draft, verify) per iteration, one where prompt lookup supplied the drafts at
+                # once; prompt lookup's copies (1..10) may also stand in for the k drafts after a draft pass
                 for n, drafted in zip(passes, run["drafted_per_iteration"]):
-                    assert (n, drafted) == (2, run["k"]) or (run["scheme"] == "lookup" and n == 1 and 1 <= drafted <= 10)
+                    assert (n, drafted) == (2, run["k"]) or (run["scheme"] == "lookup" and n in (1, 2)
+                                                             and 1 <= drafted <= 10)
                 copied += run["scheme"] == "lookup" and 1 in passes
             assert sum(run["tokens_per_iteration"]) == run["new_tokens"]
     assert fused > 0 and copied > 0

@@ -97,11 +97,13 @@ def generate_reference(model, prompt: list[int], max_new_tokens: int, eos: list[
     return out[0, len(prompt):].tolist()
 
 
-def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, scheme: str = "two_step") -> None:
+def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, scheme: str = "two_step",
+                  lookup: bool = False) -> None:
     """The records add up, and after every iteration the cache holds exactly the accepted tokens.
 
     Fused scheme: only the first iteration has a draft pass (and a "verified" token); later ones
-    are one pass that emits accepted drafts and the bonus.
+    are one pass that emits accepted drafts and the bonus. With prompt lookup, an iteration whose
+    copies were found before any pass has no draft pass (the lookup test checks which ones).
     """
     steps = result.steps
     passes = verified = 0
@@ -127,7 +129,8 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
             if step.accepted < step.k:
                 assert step.drafts[step.accepted] != step.predictions[step.accepted]
             # This iteration began with a draft pass (not when prompt lookup supplied the drafts).
-            drafted = step.draft_source == "sat" and (scheme == "two_step" or i == 0)
+            drafted = (step.sources[0] == "verified" if lookup
+                       else step.draft_source == "sat" and (scheme == "two_step" or i == 0))
             passes += 2 if drafted else 1
             verified += drafted
             head = ["verified"] if drafted else []
@@ -188,7 +191,10 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
 def test_lookup_finds_the_latest_earlier_occurrence_of_the_last_ngram():
     assert _lookup([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [9, 2, 5]  # latest "5 6"
     assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3"; a lone "3" does not count
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [4, 8]  # "3": the latest
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]  # "2 3" beats the later "3"
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [4, 8]  # only "3" recurs: the latest
+    assert _lookup([1, 2, 3, 7, 9, 2, 3, 8, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]  # "1 2 3" beats a later "2 3"
+    assert _lookup([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], ngram=2, max_tokens=1) == [6]  # 4 tokens recur (the longest tried)
     assert _lookup([4, 5, 6, 5], ngram=2, max_tokens=4) == []  # "6 5" never occurred ("5" alone did)
     assert _lookup([7, 7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
     assert _lookup([3], ngram=2, max_tokens=4) == []  # shorter than the n-gram
@@ -204,17 +210,29 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
             config = replace(greedy("sdsat", k, budget), lookup_tokens=lookup, lookup_ngram=ngram)
             result = run(decode(sat_model, TOKENIZER, prompt, config, []))
             assert result.token_ids == reference, f"k={k} lookup={lookup} ngram={ngram} prompt={prompt}"
-            check_records(result, prompt, sdsat=True)
-            emitted = 0
+            check_records(result, prompt, sdsat=True, lookup=True)
+            emitted: list[int] = []
             for step in result.steps:
-                if step.draft_source == "lookup":  # never more copies than tokens still to emit, bonus aside
-                    assert 1 <= step.k <= min(lookup, budget - emitted - 1) and step.draft_probs == [1.0] * step.k
+                # Copies of what followed the recurring tail: found before any pass (then verified in one
+                # pass), or else after the draft pass's token (then verified in place of the SAT drafts);
+                # never more than the tokens still to emit, the bonus aside.
+                room = budget - len(emitted) - 1
+                before = _lookup(prompt + emitted, ngram, min(lookup, room)) if room > 0 and step.index else []
+                after = _lookup(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1)) if room > 1 else []
+                assert step.forward_passes == (1 if before else 2)
+                if before or after:
+                    assert (step.draft_source, step.drafts) == ("lookup", before or after)
+                    assert step.draft_probs == [1.0] * step.k
                     stats["lookup accepted"] += step.accepted
                     stats["lookup rejected"] += len(step.rejected)
+                    stats["lookup after the draft pass"] += not before
+                else:
+                    assert (step.draft_source, step.k) == ("sat", k)
                 stats[step.draft_source] += 1
-                emitted += len(step.tokens)
+                emitted += step.tokens
     assert stats["lookup"] > 20 and stats["sat"] > 20, stats  # both sources drafted
     assert stats["lookup accepted"] > 10 and stats["lookup rejected"] > 5, stats
+    assert stats["lookup after the draft pass"] > 5, stats
 
 
 def test_head_of_hidden_states_is_forward_and_fused_works_without_it(sat_model: SatModel, monkeypatch):
