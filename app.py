@@ -77,6 +77,10 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                     k = gr.Slider(1, 8, value=DecodeConfig.k, step=1, label="k: adaptive tokens (drafts) per step")
                     max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
                                         label="Max new tokens", elem_id="max-new")
+                    lookup = gr.Slider(0, 16, value=0, step=1, label="Prompt lookup: copied tokens to verify (0 = off)",
+                                       info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
+                                            "up to this many tokens copied from there instead of SAT drafts. "
+                                            "Fast on code, which repeats its names; outputs stay identical.")
                     with gr.Group(visible=False) as sampling_box:
                         temperature = gr.Slider(0.05, MAX_TEMPERATURE, value=0.8, step=0.05, label="Temperature")
                         top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
@@ -123,7 +127,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 "- **Tokens per iteration** (mean accepted length): new tokens per SDSAT iteration, *counting* the "
                 "step-1 token t and the bonus token — so it is 2 + accepted drafts, and 2.0 means no draft was accepted.\n"
                 "- **Forward passes per token**: forward passes of the model ÷ new tokens (vanilla: 1.0). "
-                "Each SDSAT iteration costs 2 passes.\n"
+                "Each SDSAT iteration costs 2 passes (1 when prompt lookup's copies are verified without a draft pass).\n"
                 "- **Acceptance rate per draft position**: of the iterations that drafted position *i*, the share in which draft *i* was accepted.\n"
                 "- **Timing honesty**: the two decoders run one after the other in a worker thread that does nothing "
                 "else; the page updates in between never fall inside a decoder's clock.")
@@ -146,7 +150,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     outputs = dict(headline=headline, vanilla=vanilla_out, sdsat=sdsat_out, race_plot=race_plot,
                    accepted_plot=accepted_plot, position_plot=position_plot, pass_plot=pass_plot,
                    explorer_slider=iteration, explorer=explorer_out, record=record, run_data=run_data)
-    settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed]
+    settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed, lookup]
     run_event = run_btn.click(page.run, inputs=[*settings, show_rejected], outputs=[outputs[n] for n in RACE_OUTPUTS],
                               api_name="race", concurrency_limit=limits.concurrency, concurrency_id="model")
     replay_event = replay_btn.click(page.replay, inputs=[record, show_rejected], outputs=[headline, vanilla_out, sdsat_out],

@@ -41,6 +41,9 @@ def page(default_engine):
     (dict(mode="sampling", top_p=1.5), "top-p"), (dict(mode="sampling", top_p=0), "top-p"),
     (dict(mode="sampling", top_k=-1), "top-k"), (dict(mode="sampling", seed=-3), "seed"),
     (dict(mode="sampling", seed=None), "seed"),
+    (dict(lookup_tokens=65), "prompt lookup tokens must be between 0 and 64"),
+    (dict(lookup_tokens=-1), "prompt lookup tokens must be between 0 and 64"),
+    (dict(lookup_tokens="many"), "prompt lookup tokens must be a whole number"),
 ])
 def test_bad_setting_names_the_setting(change, named):
     with pytest.raises(SettingError, match=named.replace("(", r"\(")):
@@ -53,6 +56,10 @@ def test_good_settings_fill_both_configs():
     assert (vanilla.method, sdsat.method, sdsat.k, sdsat.max_new_tokens) == ("vanilla", "sdsat", 4, 8)
     assert sdsat.sampling.do_sample and sdsat.sampling.top_k == 40 and sdsat.sampling.seed == 3
     assert vanilla.sampling is not sdsat.sampling
+    assert sdsat.lookup_tokens == 0  # off unless asked
+    request = check_request(Limits(), 8, **(GOOD | dict(lookup_tokens="6")))
+    assert (request.decode_config("sdsat").lookup_tokens, request.decode_config("vanilla").lookup_tokens) == (6, 0)
+    assert request.settings()["lookup_tokens"] == 6
 
 
 def test_limits_from_env():
@@ -143,6 +150,29 @@ def test_greedy_race_is_identical_and_stats_add_up(page):
     for i in range(1, s["iterations"] + 1):
         assert f"Iteration {i} of {s['iterations']}" in page.explore(record, i)
     assert page.step(record, s["iterations"], +1)[0] == s["iterations"]
+
+
+def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):
+    prompt = "red, green, blue, red, green, blue, red, green, blue, red,"  # a pattern the model goes on with
+    outs = list(page.run(**(GOOD | dict(prompt=prompt, k=2, max_new_tokens=20)), lookup_tokens=6, show_rejected=True))
+    final = dict(zip(RACE_OUTPUTS, outs[-1]))
+    data, record = final["run_data"], final["record"]
+    assert data["identical"] is True and data["settings"]["lookup_tokens"] == 6
+    steps = record.sdsat.steps
+    at_once = [i for i, st in enumerate(steps) if st.draft_source == "lookup" and st.forward_passes == 1]
+    after_t = [i for i, st in enumerate(steps) if st.draft_source == "lookup" and st.forward_passes == 2]
+    assert at_once and any(steps[i].accepted for i in at_once), [(st.draft_source, st.forward_passes) for st in steps]
+    assert data["sdsat"]["forward_passes"] == sum(st.forward_passes for st in steps) < 2 * len(steps)
+    # The output pane colours accepted copies apart from SAT drafts, and says where they came from.
+    pane = final["sdsat"]
+    assert "src-copy" in pane and "copied by prompt lookup" in pane
+    for i in at_once + after_t:
+        html = page.explore(record, i + 1)
+        assert "Prompt lookup copied" in html and "copied by prompt lookup" in html
+        assert ("draft pass" in html) == (i in after_t)  # copies found before any pass need no draft pass
+        assert f"<th>l{steps[i].k}</th>" in html
+    figures = {trace.name for trace in final["pass_plot"].data} | {trace.name for trace in final["accepted_plot"].data}
+    assert "SDSAT prompt lookup: verify [c, copies]" in figures and "accepted prompt-lookup copies" in figures
 
 
 def test_markup_prompt_is_text_everywhere(page):

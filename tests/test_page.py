@@ -20,7 +20,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENS = Path(os.environ.get("SDSAT_SCREENS", Path(__file__).resolve().parent.parent / "runs" / "screens"))
 RACE_ARGS = dict(prompt="def add(a, b):\n", model="smollm2-135m-instruct", chat=False, mode="greedy", k=4,
-                 max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, seed=0)
+                 max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,11 @@ def test_generate_api_greedy_is_identical_and_adds_up(server):
     assert s["new_tokens"] == len(s["token_ids"]) and s["forward_passes"] == 2 * s["iterations"]
     assert abs(s["tokens_per_second"] - s["new_tokens"] / s["seconds"]) < 1e-6
     assert data["sequential"] is True and data["settings"]["k"] == 4
+    # With prompt lookup on a prompt that repeats itself: still identical, in fewer passes than 2 per iteration.
+    pattern = "red, green, blue, red, green, blue, red, green, blue, red,"
+    data = client.predict(**(RACE_ARGS | dict(prompt=pattern, max_new_tokens=16, lookup_tokens=6)), api_name="/generate")
+    assert data["identical"] is True and data["settings"]["lookup_tokens"] == 6
+    assert data["sdsat"]["forward_passes"] < 2 * data["sdsat"]["iterations"]
 
 
 def test_race_endpoint_streams_the_page(server):
@@ -54,7 +59,7 @@ def test_race_endpoint_streams_the_page(server):
 
     client = Client(server, verbose=False)
     values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k", "max_new_tokens", "temperature",
-                                     "top_p", "top_k", "seed")]
+                                     "top_p", "top_k", "seed", "lookup_tokens")]
     result = client.predict(*values, False, api_name="/race")
     headline, run_data = result[0], result[-1]
     assert "Identical output: checked" in headline and run_data["identical"] is True
@@ -67,7 +72,8 @@ def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server):
     for change, message in ((dict(k=0), "k (adaptive tokens per step) must be between 1 and"),
                             (dict(model="../../etc/passwd"), "model must be one of"),
                             (dict(mode="sampling", top_p=2.0), "top-p must be in (0.0, 1.0]"),
-                            (dict(max_new_tokens=10**6), "max new tokens must be between 1 and 48")):
+                            (dict(max_new_tokens=10**6), "max new tokens must be between 1 and 48"),
+                            (dict(lookup_tokens=99), "prompt lookup tokens must be between 0 and 64")):
         with pytest.raises(Exception) as info:
             client.predict(**(RACE_ARGS | change), api_name="/generate")
         assert message in str(info.value)
@@ -95,7 +101,7 @@ def test_cancelled_race_frees_the_worker(server):
     from gradio_client import Client
 
     client = Client(server, verbose=False)
-    values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k")] + [48, 1.0, 1.0, 0, 0, False]
+    values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k")] + [48, 1.0, 1.0, 0, 0, 0, False]
     job = client.submit(*values, api_name="/race")
     deadline = time.monotonic() + 120
     while not job.outputs() and time.monotonic() < deadline:  # wait until it streams

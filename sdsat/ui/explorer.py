@@ -3,14 +3,15 @@
 Columns are the output positions the iteration can fill: column 0 is t (predicted from c, the last
 token not yet in the cache), column j is draft d_j (predicted from SAT_j), and column k+1 is what
 only the verify pass can give. Rows are the two forward passes, what each was fed and what it
-predicted, and the verdict per position.
+predicted, and the verdict per position. With prompt lookup on, the drafts may be copies l_j of
+what followed the same text before: verified after t, or straight after c in a single pass.
 """
 
 from __future__ import annotations
 
 from ..decoding import StepRecord
 from .race import RaceRecord
-from .render import esc, esc_title, visible
+from .render import source_class, esc, esc_title, visible
 
 
 def _chip(text: str, cls: str = "", title: str = "") -> str:
@@ -41,11 +42,16 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
     tail, c = ctx[-9:-1], ctx[-1]
     greedy = record.greedy
     bonus = step.tokens[-1] if step.sources and step.sources[-1] == "bonus" else None
+    copied = step.draft_source == "lookup"  # the drafts are prompt lookup's copies, not the SATs'
+    drafted = step.forward_passes == 2  # a draft pass gave t (without one, the copies follow c directly)
+    d = "l" if copied else "d"  # what the draft columns are called
 
-    head = (f'<div class="ex-head"><b>Iteration {index + 1} of {len(steps)}</b> · k = {k} adaptive tokens · '
-            f'cache {step.kv_len_before} → {step.kv_len} tokens · draft pass {step.pass_seconds[0] * 1e3:.0f} ms · '
-            f'verify pass {step.pass_seconds[1] * 1e3:.0f} ms · emitted <b>{len(step.tokens)}</b> tokens '
-            f'for 2 forward passes</div>')
+    passes = (f"draft pass {step.pass_seconds[0] * 1e3:.0f} ms · verify pass {step.pass_seconds[1] * 1e3:.0f} ms"
+              if drafted else f"verify pass {step.pass_seconds[0] * 1e3:.0f} ms")
+    head = (f'<div class="ex-head"><b>Iteration {index + 1} of {len(steps)}</b> · '
+            + (f"{k} tokens copied by prompt lookup" if copied else f"k = {k} adaptive tokens")
+            + f' · cache {step.kv_len_before} → {step.kv_len} tokens · {passes} · emitted <b>{len(step.tokens)}</b> '
+            f'tokens for {step.forward_passes} forward pass{"es" if drafted else ""}</div>')
     context = ('<div class="ex-context"><span class="ex-label">Context (tail)</span> … '
                + "".join(_chip(word(t, ""), "ctx") for t in tail)
                + _chip(word(c, ""), "ctx pending", "c: the last token, not yet in the KV cache")
@@ -53,25 +59,39 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
 
     cols = range(k + 2)
     rows = []
-    # Step 1: [c, SAT_1..SAT_k] -> t, d_1..d_k
-    fed1 = [_chip(word(c, ""), "pending", "c")] + [f'<span class="chip sat">SAT<sub>{j}</sub></span>' for j in range(1, k + 1)] + [""]
-    t = step.tokens[0]
-    out1 = [_chip(word(t, ""), "src-verified", "t: what vanilla decoding would emit here") + _sub("t (certain)")]
-    for j, d in enumerate(step.drafts, start=1):
-        out1.append(_chip(word(d, ""), "draft", f"draft d{j}") + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}"))
-    out1.append("")
-    rows.append(("Step 1 · draft pass fed", fed1))
-    rows.append(("Step 1 · predicted", out1))
-    # Step 2: [t, d_1..d_k] -> the model's own choice for positions 1..k+1
-    fed2 = [_chip(word(t, ""), "src-verified")] + [_chip(word(d, ""), "draft") for d in step.drafts] + [""]
+    if drafted:  # Step 1: [c, SAT_1..SAT_K] -> t (and K drafts)
+        t = step.tokens[0]
+        out1 = [_chip(word(t, ""), "src-verified", "t: what vanilla decoding would emit here") + _sub("t (certain)")]
+        if copied:
+            sats = record.settings.get("k", "k")
+            fed1 = [_chip(word(c, ""), "pending", "c"), f'<span class="chip sat">SAT×{sats}</span>']
+            out1.append(_sub("SAT drafts set aside: t completes text that occurred before, so the tokens that "
+                             "followed it there are verified instead"))
+        else:
+            fed1 = [_chip(word(c, ""), "pending", "c")] + [f'<span class="chip sat">SAT<sub>{j}</sub></span>'
+                                                           for j in range(1, k + 1)]
+            out1 += [_chip(word(dj, ""), "draft", f"draft d{j}") + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}")
+                     for j, dj in enumerate(step.drafts, start=1)]
+        rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
+        rows.append(("Step 1 · predicted", _pad(out1, k + 2)))
+    first = step.tokens[0] if drafted else c  # what the verify pass starts from
+    if copied:
+        rows.append(("Prompt lookup copied", _pad(['<span class="muted">—</span>'] + [
+            _chip(word(l, ""), "copy", f"l{j}: the token that followed this text where it occurred before")
+            + _sub(f"l{j}") for j, l in enumerate(step.drafts, start=1)], k + 2)))
+    # Verify: [t or c, drafts] -> the model's own choice for positions 1..k+1
+    name = "t" if drafted else "c"
+    fed2 = [_chip(word(first, ""), "src-verified" if drafted else "pending")] + [
+        _chip(word(x, ""), "copy" if copied else "draft") for x in step.drafts] + [""]
     choice = ['<span class="muted">—</span>']
     for j, pred in enumerate(step.predictions, start=1):
-        label = f"model's choice after {'t' if j == 1 else f'd{j - 1}'}" + ("" if greedy else " (argmax of p)")
+        label = f"model's choice after {name if j == 1 else f'{d}{j - 1}'}" + ("" if greedy else " (argmax of p)")
         choice.append(_chip(word(pred, ""), "pred", label))
-    rows.append(("Step 2 · verify pass fed", fed2))
-    rows.append(("Step 2 · model's choice", choice))
+    verify = "Step 2 · verify pass" if drafted else "Verify pass"
+    rows.append((f"{verify} fed", fed2))
+    rows.append((f"{verify} · model's choice", choice))
     # Verdict per position
-    verdict = ['<span class="verdict ok">kept</span>']
+    verdict = ['<span class="verdict ok">kept</span>' if drafted else '<span class="muted">(emitted before)</span>']
     for j in range(1, k + 1):
         if j <= a:
             verdict.append('<span class="verdict ok">✓ accepted</span>')
@@ -84,23 +104,29 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
         verdict[a + 1] += _chip(word(bonus, ""), "src-bonus", "bonus: the model's own token here") + _sub("bonus")
     rows.append(("Verdict", verdict))
 
-    header = "".join(f"<th>{'t' if j == 0 else (f'd{j}' if j <= k else 'after d' + str(k))}</th>" for j in cols)
+    header = "".join(f"<th>{name if j == 0 else (f'{d}{j}' if j <= k else f'after {d}{k}')}</th>" for j in cols)
     body = "".join(
-        f'<tr><th class="row">{esc(name)}</th>' + "".join(f"<td>{cells[j]}</td>" for j in cols) + "</tr>"
-        for name, cells in rows)
+        f'<tr><th class="row">{esc(label)}</th>' + "".join(f"<td>{cells[j]}</td>" for j in cols) + "</tr>"
+        for label, cells in rows)
     table = f'<div class="ex-scroll"><table class="ex-table"><tr><th></th>{header}</tr>{body}</table></div>'
 
-    emitted = "".join(_chip(record.pieces["sdsat"][_offset(record, index) + j], f"src-{src}")
+    emitted = "".join(_chip(record.pieces["sdsat"][_offset(record, index) + j], f"src-{source_class(step, src)}")
                       for j, src in enumerate(step.sources))
+    kind = "cop" + ("y" if a == 1 else "ies") if copied else "draft" + ("" if a == 1 else "s")
     rule = ("Greedy: a draft is accepted when it equals the model's choice at its position and every earlier draft was accepted."
             if greedy else
             "Sampling: draft d<sub>j</sub> is accepted with probability min(1, p/q); at the first rejection the token is "
-            "drawn from the normalised max(0, p − q), so the output follows the model's own distribution exactly.")
+            "drawn from the normalised max(0, p − q), so the output follows the model's own distribution exactly."
+            + (" A copy has q = 1 on itself." if copied else ""))
     result = (f'<div class="ex-result"><span class="ex-label">Emitted</span> {emitted} '
-              f'<span class="muted">= t + {a} accepted draft{"s" if a != 1 else ""}'
+              f'<span class="muted">= {"t + " if drafted else ""}{a} accepted {kind}'
               f'{" + bonus" if bonus is not None else ""}; rejected drafts left the cache.</span></div>'
               f'<div class="ex-rule muted">{rule}</div>')
     return f'<div class="explorer">{head}{context}{table}{result}</div>'
+
+
+def _pad(cells: list[str], width: int) -> list[str]:
+    return cells + [""] * (width - len(cells))
 
 
 def _offset(record: RaceRecord, index: int) -> int:

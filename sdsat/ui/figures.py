@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from ..decoding import StepRecord
 
 COLORS = {"vanilla": "#64748b", "sdsat": "#7c3aed", "verified": "#3b82f6", "draft": "#10b981", "bonus": "#f59e0b",
-          "rejected": "#ef4444"}
+          "rejected": "#ef4444", "copy": "#0891b2"}
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str, height: int = 340) -> go.Figure:
@@ -45,8 +45,12 @@ def accepted_figure(steps: Sequence[StepRecord]) -> go.Figure:
     """Tokens emitted per iteration, split by source (the bonus token counted)."""
     fig = go.Figure()
     iters = [s.index + 1 for s in steps]
-    for source, label in (("verified", "t (step 1)"), ("draft", "accepted drafts"), ("bonus", "bonus (step 2)")):
-        fig.add_trace(go.Bar(x=iters, y=[s.sources.count(source) for s in steps], name=label,
+    sources = ["verified", "draft", "copy", "bonus"] if any(s.draft_source == "lookup" for s in steps) else [
+        "verified", "draft", "bonus"]
+    labels = {"verified": "t (step 1)", "draft": "accepted drafts", "copy": "accepted prompt-lookup copies",
+              "bonus": "bonus (step 2)"}
+    for source in sources:
+        fig.add_trace(go.Bar(x=iters, y=[_count(s, source) for s in steps], name=labels[source],
                              marker_color=COLORS[source]))
     if steps:
         mean = sum(len(s.tokens) for s in steps) / len(steps)
@@ -66,13 +70,23 @@ def position_figure(acceptance: Sequence[float]) -> go.Figure:
     return _layout(fig, "Acceptance rate per draft position", "draft position", "% of iterations")
 
 
+def _count(step: StepRecord, source: str) -> int:
+    """Tokens of `source` the step emitted; accepted drafts count as "copy" when prompt lookup drafted them."""
+    if source in ("draft", "copy"):
+        return step.sources.count("draft") if (step.draft_source == "lookup") == (source == "copy") else 0
+    return step.sources.count(source)
+
+
 def pass_figure(vanilla: Sequence[StepRecord], sdsat: Sequence[StepRecord]) -> go.Figure:
     """Wall time of every forward pass; the first pass of each run also reads the prompt (prefill)."""
     fig = go.Figure()
+    two = [s for s in sdsat if len(s.pass_seconds) > 1]
     series = [("vanilla: 1 token", [s.pass_seconds[0] for s in vanilla], COLORS["vanilla"]),
-              ("SDSAT step 1: draft [c, SAT×k]", [s.pass_seconds[0] for s in sdsat], COLORS["verified"]),
-              ("SDSAT step 2: verify [t, d1..dk]", [s.pass_seconds[1] for s in sdsat if len(s.pass_seconds) > 1],
-               COLORS["sdsat"])]
+              ("SDSAT step 1: draft [c, SAT×k]", [s.pass_seconds[0] for s in two], COLORS["verified"]),
+              ("SDSAT step 2: verify [t, d1..dk]", [s.pass_seconds[1] for s in two], COLORS["sdsat"])]
+    lookup = [s.pass_seconds[0] for s in sdsat if len(s.pass_seconds) == 1]  # copies verified without a draft pass
+    if lookup:
+        series.append(("SDSAT prompt lookup: verify [c, copies]", lookup, COLORS["copy"]))
     for label, seconds, color in series:
         ms = [1e3 * s for s in seconds]
         fig.add_trace(go.Scatter(x=list(range(1, len(ms) + 1)), y=ms, mode="markers", name=label,

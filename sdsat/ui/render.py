@@ -120,15 +120,17 @@ def sdsat_html(steps: Sequence[StepRecord], pieces: Sequence[str], vocab: dict[i
     for step in steps:
         spans = []
         n = len(step.tokens)
+        head = int(step.sources[:1] == ["verified"])  # drafts follow t, or c when no draft pass gave a t
         for j, (token, source, prob) in enumerate(zip(step.tokens, step.sources, step.probs)):
             piece = pieces[at + j] if at + j < len(pieces) else ""
-            where = f"draft position {j} of {step.k}" if source == "draft" else SOURCE_LABEL[source]
+            position = j - head + 1
+            where = f"draft position {position} of {step.k}" if source == "draft" else SOURCE_LABEL[source]
             title = f"iteration {step.index + 1} · {where}\ntoken id {token}  {piece!r}\np = {_p(prob)}"
             if source == "draft":
-                title += f"   ({_draft_origin(step, j - 1)})"
+                title += f"   ({_draft_origin(step, position - 1)})"
             if show_rejected and source == "bonus":
                 spans.extend(_rejected(step, vocab))
-            spans.append(_token(piece, f"src-{source}", title, token in special_ids))
+            spans.append(_token(piece, f"src-{source_class(step, source)}", title, token in special_ids))
         if show_rejected and (not step.sources or step.sources[-1] != "bonus"):
             spans.extend(_rejected(step, vocab))  # output was cut before the bonus
         at += n
@@ -150,6 +152,11 @@ def _rejected(step: StepRecord, vocab: dict[int, str]) -> list[str]:
     return spans
 
 
+def source_class(step: StepRecord, source: str) -> str:
+    """How an emitted token is coloured: by its source, accepted prompt-lookup copies apart from SAT drafts."""
+    return "copy" if source == "draft" and step.draft_source == "lookup" else source
+
+
 def _draft_origin(step: StepRecord, i: int) -> str:
     if step.draft_source == "lookup":
         return "copied by prompt lookup"
@@ -167,7 +174,7 @@ def waiting_html(message: str) -> str:
 
 def legend_html(show_rejected: bool = True) -> str:
     items = [("src-verified", "t", "step 1 token (certain)"), ("src-draft", "draft", "accepted draft"),
-             ("src-bonus", "bonus", "step 2 bonus token")]
+             ("src-copy", "copy", "accepted prompt-lookup copy"), ("src-bonus", "bonus", "step 2 bonus token")]
     if show_rejected:
         items.append(("src-rejected", "draft", "rejected draft (when shown)"))
     chips = "".join(f'<span class="legend-item"><span class="tok {c}">{esc(s)}</span> {esc(t)}</span>' for c, s, t in items)

@@ -34,6 +34,7 @@ CSS = """
 .src-verified { background: #dbeafe; box-shadow: inset 0 -2px 0 #3b82f6; }
 .src-draft { background: #d1fae5; box-shadow: inset 0 -2px 0 #10b981; }
 .src-bonus { background: #fef3c7; box-shadow: inset 0 -2px 0 #f59e0b; }
+.src-copy { background: #cffafe; box-shadow: inset 0 -2px 0 #0891b2; }
 .src-rejected { margin: 0 1px; background: #fee2e2; color: #b91c1c; text-decoration: line-through; text-decoration-thickness: 2px; opacity: .85; }
 .iter { border-left: 2px solid #a78bfa; margin-left: 1px; padding-left: 1px; }
 .iter-mark { display: inline-block; width: 2px; height: 14px; background: #a78bfa; vertical-align: middle; }
@@ -84,8 +85,9 @@ CSS = """
 .chip.sat { background: #1e1b4b; color: #e0e7ff; border-color: #1e1b4b; }
 .chip.draft { background: #ecfdf5; border-color: #a7f3d0; }
 .chip.pred { background: #fff7ed; border-color: #fed7aa; }
-.chip.src-verified, .chip.src-draft, .chip.src-bonus { box-shadow: none; }
+.chip.src-verified, .chip.src-draft, .chip.src-copy, .chip.src-bonus { box-shadow: none; }
 .chip.src-verified { border-color: #93c5fd; } .chip.src-draft { border-color: #6ee7b7; } .chip.src-bonus { border-color: #fcd34d; }
+.chip.src-copy, .chip.copy { border-color: #67e8f9; } .chip.copy { background: #ecfeff; }
 .sub { font-size: 10.5px; color: #64748b; margin-top: 2px; }
 .verdict { display: inline-block; font-size: 12px; font-weight: 600; border-radius: 6px; padding: 2px 6px; margin-bottom: 3px; }
 .verdict.ok { color: #065f46; background: #d1fae5; }
