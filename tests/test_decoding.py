@@ -188,12 +188,13 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
     assert stats["drafts dropped: eos"] > 0 and stats["drafts dropped: max_new_tokens"] > 0, stats
 
 
-def test_lookup_finds_the_latest_earlier_occurrence_of_the_last_ngram():
-    assert _lookup([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [9, 2, 5]  # latest "5 6"
+def test_lookup_copies_after_the_first_occurrence_of_the_longest_recurring_suffix():
+    assert _lookup([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [7, 1, 5]  # the first "5 6"
     assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3"; a lone "3" does not count
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]  # "2 3" beats the later "3"
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [4, 8]  # only "3" recurs: the latest
-    assert _lookup([1, 2, 3, 7, 9, 2, 3, 8, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]  # "1 2 3" beats a later "2 3"
+    assert _lookup([3, 5, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]  # "2 3" beats an earlier "3"
+    assert _lookup([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [9, 3]  # only "3" recurs: the first
+    assert _lookup([9, 4, 7, 9, 4, 7, 9, 4], ngram=2, max_tokens=3) == [7, 9, 4]  # "4 7 9 4" recurs: a full copy
+    assert _lookup([2, 3, 8, 1, 2, 3, 7, 9, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]  # "1 2 3" beats an earlier "2 3"
     assert _lookup([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], ngram=2, max_tokens=1) == [6]  # 4 tokens recur (the longest tried)
     assert _lookup([4, 5, 6, 5], ngram=2, max_tokens=4) == []  # "6 5" never occurred ("5" alone did)
     assert _lookup([7, 7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end

@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling (default 1: off)")
     what.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
     what.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
-    what.add_argument("--lookup-ngram", type=int, default=2, help="prompt lookup's max_matching_ngram_size (default 2)")
+    what.add_argument("--lookup-ngram", type=int, default=2,
+                      help="prompt lookup's max_matching_ngram_size, and the shortest recurring suffix "
+                           "(lookup_ngram) after which the lookup scheme copies (default 2)")
     how = parser.add_argument_group("measurement")
     how.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 256)")
     how.add_argument("--repeats", type=int, help="timed runs per prompt and method (default 1)")
