@@ -25,7 +25,7 @@ from sdsat.ui.style import LAUNCH
 ASSETS = Path(__file__).resolve().parent / "assets"
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
 HOW_IT_WORKS = ASSETS / "how_it_works.md"
-MAX_BENCH_PLOTS = 8
+MAX_BENCH_PLOTS = 12  # three suites of three figures, and room
 
 limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors
@@ -125,7 +125,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), measured inside the decoder.\n"
                 "- **Speed-up**: SDSAT tokens/s ÷ vanilla tokens/s, same prompt, same run, same machine.\n"
                 "- **Tokens per iteration** (mean accepted length): new tokens per SDSAT iteration, *counting* the "
-                "step-1 token t and the bonus token — so it is 2 + accepted drafts, and 2.0 means no draft was accepted.\n"
+                "step-1 token t and the bonus token — so it is 2 + accepted drafts, and 2.0 means no draft was accepted "
+                "(1 + accepted copies when prompt lookup's copies were verified without a draft pass).\n"
                 "- **Forward passes per token**: forward passes of the model ÷ new tokens (vanilla: 1.0). "
                 "Each SDSAT iteration costs 2 passes (1 when prompt lookup's copies are verified without a draft pass).\n"
                 "- **Acceptance rate per draft position**: of the iterations that drafted position *i*, the share in which draft *i* was accepted.\n"
@@ -150,8 +151,9 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     outputs = dict(headline=headline, vanilla=vanilla_out, sdsat=sdsat_out, race_plot=race_plot,
                    accepted_plot=accepted_plot, position_plot=position_plot, pass_plot=pass_plot,
                    explorer_slider=iteration, explorer=explorer_out, record=record, run_data=run_data)
-    settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed, lookup]
-    run_event = run_btn.click(page.run, inputs=[*settings, show_rejected], outputs=[outputs[n] for n in RACE_OUTPUTS],
+    settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed]
+    # lookup last, after show_rejected: /race callers that send the earlier inputs keep working
+    run_event = run_btn.click(page.run, inputs=[*settings, show_rejected, lookup], outputs=[outputs[n] for n in RACE_OUTPUTS],
                               api_name="race", concurrency_limit=limits.concurrency, concurrency_id="model")
     replay_event = replay_btn.click(page.replay, inputs=[record, show_rejected], outputs=[headline, vanilla_out, sdsat_out],
                                     api_visibility="private", concurrency_limit=8, concurrency_id="replay")

@@ -142,7 +142,8 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(_read(cache_file) | {key: plan.summary()}, indent=1))
+            kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
+            tmp.write_text(json.dumps(kept | {key: plan.summary()}, indent=1))
             tmp.replace(cache_file)
         except OSError:  # a read-only home: tune again next time
             pass

@@ -161,7 +161,8 @@ def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):
     steps = record.sdsat.steps
     at_once = [i for i, st in enumerate(steps) if st.draft_source == "lookup" and st.forward_passes == 1]
     after_t = [i for i, st in enumerate(steps) if st.draft_source == "lookup" and st.forward_passes == 2]
-    assert at_once and any(steps[i].accepted for i in at_once), [(st.draft_source, st.forward_passes) for st in steps]
+    assert at_once and after_t and any(steps[i].accepted for i in at_once), [
+        (st.draft_source, st.forward_passes) for st in steps]
     assert data["sdsat"]["forward_passes"] == sum(st.forward_passes for st in steps) < 2 * len(steps)
     # The output pane colours accepted copies apart from SAT drafts, and says where they came from.
     pane = final["sdsat"]

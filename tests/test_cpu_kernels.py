@@ -19,7 +19,10 @@ def _plan_of(model: nn.Module, variant: str, max_rows: int = 8) -> KernelPlan:
     return KernelPlan({shape: [variant] * max_rows for shape in shapes})
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("variant", [v if not v.startswith("onednn") else pytest.param(v, marks=ONEDNN) for v in VARIANTS])
 def test_every_variant_computes_the_linear_product(variant):
     torch.manual_seed(0)
     layer = nn.Linear(24, 40, bias=True)
@@ -66,6 +69,12 @@ def test_tune_times_each_shape_and_keeps_the_plan_on_disk(tmp_path, monkeypatch)
     assert all(len(v) == 4 and set(v) <= set(VARIANTS) for v in plan.choices.values())
     stored = json.loads(cache.read_text())
     assert list(stored.values()) == [plan.summary()]
+    # Plans of an earlier format (other variants) are dropped when a new one is written.
+    cache.write_text(json.dumps({"[1, \"old cpu\"]": {"8x8": ["transposed"]}} | stored))
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    cpu_kernels.tune(model, max_rows=3, repeats=1, cache_file=cache)
+    kept = json.loads(cache.read_text())
+    assert not [key for key in kept if key.startswith("[1,")] and len(kept) == 2  # max_rows 4 and 3
     # A new process (no in-memory plan) reads the stored one instead of timing again.
     monkeypatch.setattr(cpu_kernels, "_PLANS", {})
     monkeypatch.setattr(cpu_kernels, "_product", lambda *a: pytest.fail("tuned again instead of reading the file"))
@@ -85,8 +94,8 @@ def test_wide_blocks_are_timed_at_a_few_row_counts_and_take_the_next_ones_choice
         assert choices[16:20] == [choices[19]] * 4 and choices[20:24] == [choices[23]] * 4  # 17..20, 21..24
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_onednn_forms_are_offered_and_the_packed_copy_only_below_the_limit(monkeypatch):
+@ONEDNN
+def test_onednn_forms_are_offered_and_the_packed_copy_only_below_the_limit():
     assert cpu_kernels._available_variants(1 << 20) == VARIANTS
     assert cpu_kernels._available_variants(cpu_kernels.COPY_LIMIT_BYTES + 1) == ("linear", "weight_left", "onednn")
 

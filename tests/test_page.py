@@ -59,8 +59,8 @@ def test_race_endpoint_streams_the_page(server):
 
     client = Client(server, verbose=False)
     values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k", "max_new_tokens", "temperature",
-                                     "top_p", "top_k", "seed", "lookup_tokens")]
-    result = client.predict(*values, False, api_name="/race")
+                                     "top_p", "top_k", "seed")]
+    result = client.predict(*values, False, api_name="/race")  # the inputs before prompt lookup's, as they were
     headline, run_data = result[0], result[-1]
     assert "Identical output: checked" in headline and run_data["identical"] is True
 
@@ -101,7 +101,7 @@ def test_cancelled_race_frees_the_worker(server):
     from gradio_client import Client
 
     client = Client(server, verbose=False)
-    values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k")] + [48, 1.0, 1.0, 0, 0, 0, False]
+    values = [RACE_ARGS[n] for n in ("prompt", "model", "chat", "mode", "k")] + [48, 1.0, 1.0, 0, 0, False, 0]
     job = client.submit(*values, api_name="/race")
     deadline = time.monotonic() + 120
     while not job.outputs() and time.monotonic() < deadline:  # wait until it streams

@@ -469,7 +469,7 @@ def long_races(monkeypatch):
     monkeypatch.setattr(app.limits, "max_new_tokens", 4000)
     monkeypatch.setattr(app.limits, "time_limit_s", 3600.0)
     monkeypatch.setattr(app.max_new, "maximum", 4000)
-    return [COUNTING, DEFAULT_MODEL, False, "greedy", 4, 4000, 1.0, 1.0, 0, 0, 0, False]  # /race's inputs
+    return [COUNTING, DEFAULT_MODEL, False, "greedy", 4, 4000, 1.0, 1.0, 0, 0, False, 0]  # /race's inputs
 
 
 def test_stop_frees_the_worker_at_once(server, long_races):

@@ -112,7 +112,7 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
 
     emitted = "".join(_chip(record.pieces["sdsat"][_offset(record, index) + j], f"src-{source_class(step, src)}")
                       for j, src in enumerate(step.sources))
-    kind = "cop" + ("y" if a == 1 else "ies") if copied else "draft" + ("" if a == 1 else "s")
+    kind = ("copy" if a == 1 else "copies") if copied else ("draft" if a == 1 else "drafts")
     rule = ("Greedy: a draft is accepted when it equals the model's choice at its position and every earlier draft was accepted."
             if greedy else
             "Sampling: draft d<sub>j</sub> is accepted with probability min(1, p/q); at the first rejection the token is "

@@ -70,8 +70,8 @@ class Page:
         return engine, request, prompt_ids
 
     # -- the race ------------------------------------------------------------------------------
-    def run(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens=0,
-            show_rejected=False) -> Iterator[tuple]:
+    def run(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, show_rejected=False,
+            lookup_tokens=0) -> Iterator[tuple]:
         """Race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order."""
         skip = gr.skip()
         if not self.cache.is_loaded(model) and model in self.limits.models:

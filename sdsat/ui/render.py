@@ -135,7 +135,7 @@ def sdsat_html(steps: Sequence[StepRecord], pieces: Sequence[str], vocab: dict[i
             spans.extend(_rejected(step, vocab))  # output was cut before the bonus
         at += n
         groups.append(f'<span class="iter" title="iteration {step.index + 1}: {n} tokens for '
-                      f'{step.forward_passes} forward passes">{"".join(spans)}</span>')
+                      f'{step.forward_passes} forward pass{"es" if step.forward_passes != 1 else ""}">{"".join(spans)}</span>')
     return _pane("".join(groups), "sdsat")
 
 
