@@ -44,7 +44,7 @@ class DecodeConfig:
 
     method: str = "sdsat"  # "sdsat" (draft-then-verify) or "vanilla" (one token per forward pass)
     k: int = 3  # adaptive tokens (drafts) per SDSAT step, 1..the SAT spec's max_k; with the shipped adapter
-    # 3 and 4 are within run-to-run noise of each other alone, and 3 is fastest with prompt lookup (README, Results)
+    # 3 and 4 are the fastest, within run-to-run noise of each other (README, Results)
     max_new_tokens: int = 128  # stop after this many new tokens
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy unless do_sample
     stop_strings: list[str] = field(default_factory=list)  # stop once the output contains one
