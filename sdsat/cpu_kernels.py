@@ -34,7 +34,7 @@ TIMED_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)
 # "onednn_packed" keeps a second copy of each weight it routes; above this many bytes of weights it is
 # not offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
 COPY_LIMIT_BYTES = 2 << 30
-_PLAN_FORMAT = 2  # part of the stored plan's key: plans of other variant sets are tuned again
+_PLAN_FORMAT = 3  # part of the stored plan's key: plans of other variant sets are tuned again
 
 
 @dataclass
@@ -52,12 +52,12 @@ _PLANS: dict[str, KernelPlan] = {}  # one tuning per process, machine, model lay
 
 
 def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) times W^T, for W (out, in): (M, out); `packed` is W by `_pack`, used when given."""
+    """x (M, in) times W^T, for W (out, in): (M, out); `packed` is W by `_pack` (the onednn_packed form)."""
     if variant == "weight_left":
         return (weight @ x.t()).t()
     if variant in ("onednn", "onednn_packed"):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if packed is None else packed, None, "none",
-                                                  [], "")
+        w = packed if variant == "onednn_packed" else weight  # the dense form must not borrow the packed copy
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")
     return nn.functional.linear(x, weight)
 
 

@@ -36,6 +36,7 @@ SCHEMES = ("two_step", "fused")
 # Prompt lookup prefers the longest recurring suffix up to this many tokens: a longer match is a more
 # specific hint (on HumanEval outputs, offline: 4 → 2 tokens copied 2.42 vs 2.37 tokens per pass).
 LOOKUP_LONGEST_NGRAM = 4
+MAX_LOOKUP_TOKENS = 64  # the most copies one iteration may verify
 
 
 @dataclass
@@ -68,8 +69,8 @@ class DecodeConfig:
                 raise ValueError("SDSAT decoding needs a model with adaptive tokens (a SAT spec or adapter)")
             if not isinstance(self.k, int) or not 1 <= self.k <= max_k:
                 raise ValueError(f"k (number of adaptive tokens) must be between 1 and {max_k}, got {self.k}")
-            if not isinstance(self.lookup_tokens, int) or not 0 <= self.lookup_tokens <= 64:
-                raise ValueError(f"lookup_tokens must be between 0 (off) and 64, got {self.lookup_tokens}")
+            if not isinstance(self.lookup_tokens, int) or not 0 <= self.lookup_tokens <= MAX_LOOKUP_TOKENS:
+                raise ValueError(f"lookup_tokens must be between 0 (off) and {MAX_LOOKUP_TOKENS}, got {self.lookup_tokens}")
             if self.lookup_tokens and self.scheme != "two_step":
                 raise ValueError("lookup_tokens works with the two_step scheme only")
             if not isinstance(self.lookup_ngram, int) or not 1 <= self.lookup_ngram <= 8:
@@ -298,8 +299,11 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             # Copies beyond what may still be emitted (the bonus included) would be verified for nothing,
             # and could run past the model's context, which check_context sized for k drafts.
             room = config.max_new_tokens - (len(history) - len(prompt_ids)) - 1
-            copies = (_lookup(history, config.lookup_ngram, min(config.lookup_tokens, room))
-                      if config.lookup_tokens and room > 0 and drafts is None and len(pending) == 1 else [])
+
+            def copies_after(text: list[int], room: int) -> list[int]:
+                return _lookup(text, config.lookup_ngram, min(config.lookup_tokens, room)) if room > 0 else []
+
+            copies = copies_after(history, room) if config.lookup_tokens and drafts is None and len(pending) == 1 else []
             t0 = clock.now()
             if copies:
                 # Prompt lookup found a continuation: verify the copied tokens right after the bonus
@@ -313,8 +317,7 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
                 pass_seconds.append(clock.now() - t0)
                 prefill_seconds = prefill_seconds or pass_seconds[0]
                 # t may complete a recurring n-gram: its copies are then a better bet than the SAT drafts.
-                copies = (_lookup(history + emitted, config.lookup_ngram, min(config.lookup_tokens, room - 1))
-                          if config.lookup_tokens and room > 1 else [])
+                copies = copies_after(history + emitted, room - 1) if config.lookup_tokens else []
                 if copies:
                     drafts = torch.tensor(copies, device=device)
             # 2. Verify [t, d_1..d_k]: p after t and after each draft (fused: and the next drafts).

@@ -7,6 +7,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 
 from ..decoding import StepRecord
+from .render import source_class
 
 COLORS = {"vanilla": "#64748b", "sdsat": "#7c3aed", "verified": "#3b82f6", "draft": "#10b981", "bonus": "#f59e0b",
           "rejected": "#ef4444", "copy": "#0891b2"}
@@ -45,13 +46,14 @@ def accepted_figure(steps: Sequence[StepRecord]) -> go.Figure:
     """Tokens emitted per iteration, split by source (the bonus token counted)."""
     fig = go.Figure()
     iters = [s.index + 1 for s in steps]
-    sources = ["verified", "draft", "copy", "bonus"] if any(s.draft_source == "lookup" for s in steps) else [
-        "verified", "draft", "bonus"]
     labels = {"verified": "t (step 1)", "draft": "accepted drafts", "copy": "accepted prompt-lookup copies",
               "bonus": "bonus (step 2)"}
-    for source in sources:
-        fig.add_trace(go.Bar(x=iters, y=[_count(s, source) for s in steps], name=labels[source],
-                             marker_color=COLORS[source]))
+    copied = any(s.draft_source == "lookup" for s in steps)
+    for source, label in labels.items():
+        if source == "copy" and not copied:
+            continue  # prompt lookup was off
+        counts = [sum(source_class(s, src) == source for src in s.sources) for s in steps]
+        fig.add_trace(go.Bar(x=iters, y=counts, name=label, marker_color=COLORS[source]))
     if steps:
         mean = sum(len(s.tokens) for s in steps) / len(steps)
         fig.add_hline(y=mean, line=dict(color="#111827", dash="dot"),
@@ -68,13 +70,6 @@ def position_figure(acceptance: Sequence[float]) -> go.Figure:
                            hovertemplate="%{x}: %{y:.0f}% accepted<extra></extra>"))
     fig.update_yaxes(range=[0, 110])
     return _layout(fig, "Acceptance rate per draft position", "draft position", "% of iterations")
-
-
-def _count(step: StepRecord, source: str) -> int:
-    """Tokens of `source` the step emitted; accepted drafts count as "copy" when prompt lookup drafted them."""
-    if source in ("draft", "copy"):
-        return step.sources.count("draft") if (step.draft_source == "lookup") == (source == "copy") else 0
-    return step.sources.count(source)
 
 
 def pass_figure(vanilla: Sequence[StepRecord], sdsat: Sequence[StepRecord]) -> go.Figure:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..decoding import DecodeConfig
+from ..decoding import MAX_LOOKUP_TOKENS, DecodeConfig
 from ..models import DEFAULT_MODEL
 from ..sampling import SamplingConfig
 
@@ -20,7 +20,6 @@ MODES = ("greedy", "sampling")
 MAX_SEED = 2**31 - 1
 MAX_TEMPERATURE = 5.0
 MAX_TOP_K = 1000
-MAX_LOOKUP_TOKENS = 64  # DecodeConfig's own bound
 
 
 class SettingError(ValueError):
