@@ -11,6 +11,10 @@ SDSAT iteration (paper, section 3.3), with `pending` the tokens not yet in the c
      model's own next token (the bonus), which becomes `pending`. Drop the rejected drafts.
 Each iteration costs two forward passes and emits 2 + accepted tokens.
 
+A draft tree (`DecodeConfig.tree_candidates`, greedy two_step; `tree.py`) verifies the SATs'
+runner-up candidates beside the k top drafts in the same verify pass, and moves the accepted path's
+cache rows into place (`_keep_rows`).
+
 The fused scheme (not in the paper; `DecodeConfig.scheme = "fused"`) folds the next draft step into
 the verify pass: after one draft pass, every pass verifies k drafts and drafts the next k, emitting
 1 + accepted tokens per forward pass. Both schemes are lossless.
@@ -30,6 +34,8 @@ from .layout import SatLayout
 from .prompts import StopChecker
 from .sampling import SamplingConfig, TokenChooser
 from .sat import SatModel
+from .tree import MAX_EXTRA as MAX_TREE_CANDIDATES
+from .tree import DraftTree
 
 METHODS = ("vanilla", "sdsat")
 SCHEMES = ("two_step", "fused")
@@ -54,6 +60,8 @@ class DecodeConfig:
     lookup_tokens: int = 0  # SDSAT two_step: when the last tokens recur, verify up to this many tokens
     # copied from after that occurrence instead of SAT drafts (prompt lookup): in one pass when the bonus
     # token completes the recurring n-gram, else in the verify pass after the draft pass's token; 0: off
+    tree_candidates: int = 0  # SDSAT two_step, greedy: also verify this many of the SATs' runner-up candidates
+    # (a draft tree, `tree.py`) in the verify pass; sampling verifies the chain; 0: the chain (the paper)
     lookup_ngram: int = 2  # at least this many last tokens must recur (1 was measured worse on chat: too weak
     # a hint); longer recurring suffixes, up to LOOKUP_LONGEST_NGRAM, are preferred
 
@@ -73,6 +81,10 @@ class DecodeConfig:
                 raise ValueError(f"lookup_tokens must be between 0 (off) and {MAX_LOOKUP_TOKENS}, got {self.lookup_tokens}")
             if self.lookup_tokens and self.scheme != "two_step":
                 raise ValueError("lookup_tokens works with the two_step scheme only")
+            if not isinstance(self.tree_candidates, int) or not 0 <= self.tree_candidates <= MAX_TREE_CANDIDATES:
+                raise ValueError(f"tree_candidates must be between 0 (off) and {MAX_TREE_CANDIDATES}, got {self.tree_candidates}")
+            if self.tree_candidates and self.scheme != "two_step":
+                raise ValueError("tree_candidates works with the two_step scheme only")
             if not isinstance(self.lookup_ngram, int) or not 1 <= self.lookup_ngram <= 8:
                 raise ValueError(f"lookup_ngram must be between 1 and 8, got {self.lookup_ngram}")
         self.sampling.validate()
@@ -96,6 +108,9 @@ class StepRecord:
     kv_len: int  # tokens in the cache after the iteration
     elapsed: float  # seconds since the request started, at the end of this iteration
     draft_source: str = "sat"  # "sat" (drafted by the SATs), "lookup" (copied by prompt lookup) or "" (vanilla)
+    draft_ranks: list[int] = field(default_factory=list)  # SAT drafts: each one's rank in its q (0: the top
+    # choice; a draft tree also verifies runner-ups); empty for copies
+    candidates: int = 0  # drafted tokens the verify pass checked: k, the copies, or every node of a draft tree
 
     @property
     def rejected(self) -> list[int]:
@@ -290,6 +305,7 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
     k_policy = _KPolicy(config.k, adaptive=config.adaptive_k and config.scheme == "two_step")
     drafts = q = None  # the fused scheme carries the next drafts from one pass to the next
     history = list(prompt_ids)  # every token so far, where prompt lookup searches
+    tree_candidates = 0 if chooser.config.do_sample else config.tree_candidates  # greedy walks a tree only
     prefill_seconds = 0.0
     with torch.inference_mode():
         while True:
@@ -324,8 +340,13 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             t1 = clock.now()
             base = cache.get_seq_length()
             verified_drafts, verified_q = drafts, q
+            candidates, ranks = len(drafts), [0] * len(drafts)
             if config.scheme == "fused":
                 p, accepted, bonus, q, drafts = _fused_pass(sat_model, chooser, cache, pending[0], verified_drafts, verified_q)
+            elif tree_candidates and not copies:
+                tree = DraftTree.for_k(len(drafts), tree_candidates)
+                p, accepted, bonus, verified_drafts, ranks = _tree_pass(sat_model, chooser, cache, pending[0], q, tree)
+                candidates, drafts, q = len(tree.paths), None, None
             else:
                 p = chooser.probs(sat_model.forward(torch.cat([torch.tensor(pending, device=device), drafts])[None], cache=cache)[0])
                 if copies:  # all mass on each copy (q(copy) = 1); only sampling reads q
@@ -348,7 +369,8 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
                              else verified_q[torch.arange(len(draft_list)), verified_drafts].tolist()),
                 predictions=p.argmax(-1).tolist(), accepted=accepted, tokens=emitted, sources=sources, probs=probs,
                 pass_seconds=pass_seconds, kv_len=cache.get_seq_length(), elapsed=t2 - clock.start,
-                draft_source="lookup" if copies else "sat"))
+                draft_source="lookup" if copies else "sat", draft_ranks=[] if copies else ranks[:len(draft_list)],
+                candidates=candidates))
             yield steps[-1]
             if done or (should_stop is not None and should_stop()):
                 break
@@ -411,6 +433,40 @@ def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, draft
     accepted, bonus = chooser.accept(p, q, drafts)
     next_q = chooser.probs(project(rows[k + 1 + accepted * k:k + 1 + (accepted + 1) * k]))
     return p, accepted, bonus, next_q, _drafts_from(chooser, next_q)
+
+
+def _tree_pass(sat_model: SatModel, chooser: TokenChooser, cache, t: int, q: torch.Tensor, tree: DraftTree):
+    """Greedy verify pass over [t, every candidate of `tree`]; keeps t and the accepted path in the cache.
+
+    Returns p (rows of t and the shown path, (len(path) + 1, V)), accepted, the bonus token, the shown
+    path's tokens (accepted ones first) and their ranks in q.
+    """
+    device = sat_model.device
+    base = cache.get_seq_length()
+    tokens, ranks = tree.candidates(q)
+    mask = tree.attention_mask.to(device)
+    mask = torch.cat([torch.ones(*mask.shape[:3], base, dtype=torch.bool, device=device), mask], -1)
+    logits = sat_model.forward(torch.cat([torch.tensor([t], device=device), tokens])[None], cache=cache,
+                               attention_mask=mask, position_ids=tree.position_offsets.to(device) + base)[0]
+    p = chooser.probs(logits)
+    predictions = p.argmax(-1).tolist()
+    accepted, shown = tree.walk(predictions, tokens.tolist())
+    _keep_rows(cache, base, [0] + [i + 1 for i in accepted])
+    rows = [0] + [i + 1 for i in shown]
+    return p[rows], len(accepted), predictions[rows[len(accepted)]], tokens[shown], [ranks[i] for i in shown]
+
+
+def _keep_rows(cache: DynamicCache, base: int, rows: list[int]) -> None:
+    """Keep the block rows `rows` (ascending offsets from `base`) at base, base + 1, ...; drop the rest.
+
+    Keys are stored after the rotary embedding, so a row keeps its position wherever it is moved.
+    """
+    if rows != list(range(len(rows))):
+        index = torch.tensor(rows, device=cache.layers[0].keys.device) + base
+        for layer in cache.layers:
+            for kv in (layer.keys, layer.values):
+                kv[..., base:base + len(rows), :] = kv[..., index, :]
+    _rollback(cache, base + len(rows))
 
 
 def _lookup(history: list[int], ngram: int, max_tokens: int) -> list[int]:

@@ -23,8 +23,13 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, _lookup, decode, run
+from transformers import DynamicCache
+
+from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, _lookup, _tree_pass, decode, run
+from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from sdsat.tree import MAX_EXTRA as MAX_TREE_CANDIDATES
+from sdsat.tree import DraftTree
 
 VOCAB = 64
 FAVOURITE = 7
@@ -345,3 +350,91 @@ def test_adapter_leaves_standard_tokens_bit_identical():
     adapter.detach()
     with torch.inference_mode():
         assert torch.equal(base(input_ids=plain).logits, want)
+
+
+def test_greedy_sdsat_with_a_draft_tree_equals_vanilla(sat_model: SatModel):
+    """Runner-up candidates ride in the verify pass; accepting one moves its cache rows into place."""
+    stats: Counter = Counter()
+    for n, prompt in enumerate(random_prompts(seed=5, count=6)):
+        budget = 14 + 3 * n
+        reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
+        for k, extra, lookup in itertools.product((1, 2, 3, 5), (1, 2, MAX_TREE_CANDIDATES), (0, 4)):
+            config = replace(greedy("sdsat", k, budget), tree_candidates=extra, lookup_tokens=lookup)
+            result = run(decode(sat_model, TOKENIZER, prompt, config, []))
+            assert result.token_ids == reference, f"k={k} tree={extra} lookup={lookup} prompt={prompt}"
+            check_records(result, prompt, sdsat=True, lookup=bool(lookup))
+            tree = DraftTree.for_k(k, extra)
+            for step in result.steps:
+                if step.draft_source == "lookup":
+                    assert step.draft_ranks == [] and step.candidates == step.k
+                    continue
+                assert step.candidates == len(tree.paths)
+                assert tuple(step.draft_ranks) in tree.paths or not step.draft_ranks  # the path shown is in the tree
+                assert len(step.draft_ranks) == step.k
+                stats["runner-up accepted"] += any(step.draft_ranks[:step.accepted])
+                stats["runner-up accepted on a longer path"] += any(step.draft_ranks[:step.accepted]) and step.accepted > 1
+    assert stats["runner-up accepted"] > 10, stats  # the branches really were taken (and their rows moved)
+    assert stats["runner-up accepted on a longer path"] > 0, stats
+
+
+def test_tree_pass_keeps_the_accepted_rows_as_a_plain_pass_would():
+    """After a runner-up is accepted, the cache equals the cache of feeding [t, accepted] plainly."""
+    sat_model = make_sat_model("adapter")
+    model = sat_model.model
+    prompt = [3, 9, 12, 5, 30]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        t = 11
+        # The SATs' q put the model's own next tokens in second place at depth 1 and first at depth 2.
+        ref = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([prompt]), cache=ref, use_cache=True)
+        nxt = int(model(input_ids=torch.tensor([[t]]), cache=ref, use_cache=True).logits[0, -1].argmax())
+        after = int(model(input_ids=torch.tensor([[nxt]]), cache=ref, use_cache=True).logits[0, -1].argmax())
+        then = int(model(input_ids=torch.tensor([[after]]), cache=ref, use_cache=True).logits[0, -1].argmax())
+        q = torch.full((2, VOCAB), 1e-3)
+        q[0, (nxt + 1) % VOCAB], q[0, nxt] = 0.5, 0.4
+        q[1, after] = 0.5
+        tree = DraftTree(((0,), (0, 0), (1,), (1, 0)))
+        p, accepted, bonus, shown, ranks = _tree_pass(sat_model, TokenChooser(SamplingConfig(), torch.device("cpu")),
+                                                      cache, t, q / q.sum(-1, keepdim=True), tree)
+    assert (accepted, shown.tolist(), ranks) == (2, [nxt, after], [1, 0])
+    assert p.shape[0] == 3 and int(p[2].argmax()) == bonus == then
+    assert cache.get_seq_length() == len(prompt) + 3 == ref.get_seq_length()
+    for mine, theirs in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_tree_shape_mask_and_walk():
+    tree = DraftTree.for_k(3, 2)
+    assert tree.paths == ((0,), (0, 0), (0, 0, 0), (1,), (0, 1))  # the chain first, then runner-ups by likelihood
+    assert DraftTree.for_k(1, 3).paths == ((0,), (1,), (2,), (3,))  # only what fits within depth k
+    assert tree.parents == [-1, 0, 1, -1, 0]
+    allowed = tree.attention_mask[0, 0]
+    assert allowed[5].tolist() == [True, True, False, False, False, True]  # (0, 1) sees t, (0,) and itself
+    assert allowed[4].tolist() == [True, False, False, False, True, False]
+    assert tree.position_offsets.tolist() == [[0, 1, 2, 3, 1, 2]]
+    tokens = [10, 20, 30, 11, 21]
+    # The model wants 11 after t, then 50: the runner-up (1,) is accepted, the walk stops below it.
+    assert tree.walk([11, 0, 0, 0, 50, 0], tokens) == ([3], [3])
+    # 10, then 21 (the runner-up at depth 2), then anything: (0,), (0, 1) accepted.
+    assert tree.walk([10, 21, 0, 0, 0, 7], tokens) == ([0, 4], [0, 4])
+    # Nothing accepted: the shown path is the chain, the draft the model turned down first.
+    assert tree.walk([99, 0, 0, 0, 0, 0], tokens) == ([], [0, 1, 2])
+    with pytest.raises(ValueError, match="parent"):
+        DraftTree(((0, 1),))
+    with pytest.raises(ValueError, match="tree_candidates must be between 0 and"):
+        DraftTree.for_k(3, MAX_TREE_CANDIDATES + 1)
+
+
+def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model: SatModel):
+    config = replace(greedy("sdsat", 3, 16), tree_candidates=2,
+                     sampling=SamplingConfig(do_sample=True, temperature=0.8, seed=3))
+    result = run(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
+    assert all(s.candidates == s.k == 3 and s.draft_ranks == [0, 0, 0] for s in result.steps if len(s.tokens) > 1)
+    for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1), "tree_candidates must be between 0 \\(off\\) and"),
+                         (dict(tree_candidates=-1), "tree_candidates must be between"),
+                         (dict(tree_candidates=2, scheme="fused"), "tree_candidates works with the two_step scheme only")):
+        with pytest.raises(ValueError, match=message):
+            run(decode(sat_model, TOKENIZER, [4, 5, 6], replace(greedy("sdsat", 3, 16), **bad), []))
