@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .decoding import METHODS, SCHEMES, DecodeConfig
+    from .decoding import MAX_TREE_CANDIDATES, METHODS, SCHEMES, DecodeConfig
     from .models import DEFAULT_MODEL
 
     parser = _Parser(prog="python -m sdsat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--lookup", type=int, default=0, metavar="N",
                       help="SDSAT two_step: when the last tokens occurred before in the prompt or output, verify up "
                            "to N tokens copied from there (prompt lookup) instead of SAT drafts; 0..64, default 0 (off)")
+    what.add_argument("--tree", type=int, default=0, metavar="N",
+                      help="SDSAT two_step, greedy: also verify N of the SATs' runner-up candidates in each verify "
+                           f"pass (a draft tree); 0..{MAX_TREE_CANDIDATES}, default 0 (the chain)")
     what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
                       help=f"stop after this many new tokens (default {DecodeConfig.max_new_tokens})")
     what.add_argument("--stop", action="append", default=[], metavar="STR",
@@ -120,7 +123,7 @@ def decode_config(args: argparse.Namespace, max_k: int | None = None):
     k = args.k if args.k is not None else min(DecodeConfig.k, max_k or DecodeConfig.k)
     config = DecodeConfig(method=args.method, k=k, max_new_tokens=args.max_new_tokens, sampling=sampling,
                           stop_strings=list(args.stop), adaptive_k=args.adaptive_k, scheme=args.scheme,
-                          lookup_tokens=args.lookup)
+                          lookup_tokens=args.lookup, tree_candidates=args.tree)
     if max_k is None:
         replace(config, method="vanilla").validate()
     else:
@@ -190,6 +193,11 @@ def format_stats(result, sat_trained: bool = True) -> str:
             at_once = sum(step.draft_source == "lookup" and step.forward_passes == 1 for step in result.steps)
             lines.append(f"prompt lookup: {copied} of {len(result.steps)} iterations verified copied tokens instead "
                          f"of SAT drafts ({at_once} of them without a draft pass; the lines above count both)")
+        branched = [step for step in result.steps if step.candidates > len(step.draft_ranks) > 0]
+        if branched:
+            taken = sum(any(step.draft_ranks[:step.accepted]) for step in branched)
+            lines.append(f"draft tree: {branched[0].candidates} candidates per verify pass; {taken} of {len(branched)} "
+                         "iterations accepted a SAT's runner-up")
         if not sat_trained:
             lines.append("note: these SATs are an untrained adapter, so drafts are rarely accepted")
     return "\n".join(lines)

@@ -46,7 +46,7 @@ def bench_run(tmp_path_factory):
     """One small benchmark through the CLI: 2 HumanEval prompts, 8 tokens, every method."""
     out = tmp_path_factory.mktemp("bench")
     argv = ["--limit", "2", "--max-new-tokens", "8", "--k", "1", "3", "--schemes", "two_step", "fused", "lookup",
-            "--sample-k", "2",
+            "lookup_tree", "--sample-k", "2",
             "--temperatures", "1.0", "--lookup-ngram", "1",  # one recurring token: copies within 8 tokens
             "--warmup-tokens", "2", "--out-dir", str(out), "--no-png", "--quiet"]
     import io
@@ -76,7 +76,8 @@ def test_bench_writes_every_field(bench_run):
     assert meta["command"].startswith("python -m sdsat.bench --limit 2")
     labels = {"vanilla", "generate", "prompt_lookup k=10", "sdsat_greedy k=1", "sdsat_greedy k=3",
               "sdsat_greedy k=1 fused", "sdsat_greedy k=3 fused", "sdsat_greedy k=1 +lookup",
-              "sdsat_greedy k=3 +lookup", "vanilla_sample T=1", "sdsat_sample k=2 T=1", "sdsat_sample k=2 T=1 fused",
+              "sdsat_greedy k=3 +lookup", "sdsat_greedy k=1 +lookup+tree", "sdsat_greedy k=3 +lookup+tree",
+              "vanilla_sample T=1", "sdsat_sample k=2 T=1", "sdsat_sample k=2 T=1 fused",
               "sdsat_sample k=2 T=1 +lookup"}
     assert {row["label"] for row in payload["summary"]["variants"]} == labels
     assert len(payload["runs"]) == 2 * len(labels)
@@ -93,7 +94,7 @@ def test_greedy_outputs_identical_to_vanilla(bench_run):
     runs = payload["runs"]
     vanilla = {r["prompt_index"]: r["token_ids"] for r in runs if r["method"] == "vanilla"}
     greedy = [r for r in runs if r["method"] in GREEDY_METHODS]
-    assert len(greedy) == 2 * 9  # vanilla, generate, prompt lookup, sdsat k=1 and 3 in three schemes
+    assert len(greedy) == 2 * 11  # vanilla, generate, prompt lookup, sdsat k=1 and 3 in four schemes
     for run in greedy:
         assert run["token_ids"] == vanilla[run["prompt_index"]], run["method"]
     assert payload["summary"]["all_greedy_identical"]
@@ -119,10 +120,12 @@ def test_forward_passes_are_counted_honestly(bench_run):
                 assert all(d == run["k"] for d in run["drafted_per_iteration"])
             else:  # two passes (draft, verify) per iteration, one where prompt lookup supplied the drafts at
                 # once; prompt lookup's copies (1..10) may also stand in for the k drafts after a draft pass
+                # (a tree shows the path it walked: up to k drafts)
+                lookup, tree = "lookup" in run["scheme"], "tree" in run["scheme"]
                 for n, drafted in zip(passes, run["drafted_per_iteration"]):
-                    assert (n, drafted) == (2, run["k"]) or (run["scheme"] == "lookup" and n in (1, 2)
-                                                             and 1 <= drafted <= 10)
-                copied += run["scheme"] == "lookup" and 1 in passes
+                    assert ((n, drafted) == (2, run["k"]) or (tree and n == 2 and 1 <= drafted <= run["k"])
+                            or (lookup and n in (1, 2) and 1 <= drafted <= 10))
+                copied += lookup and 1 in passes
             assert sum(run["tokens_per_iteration"]) == run["new_tokens"]
     assert fused > 0 and copied > 0
 
@@ -220,6 +223,12 @@ def test_prompt_files(tmp_path):
 def test_plan_variants_rejects_bad_settings():
     variants = plan_variants(["sdsat_sample", "vanilla"], [1], 3, [0.2, 1.0], 10, max_k=8)
     assert variants == [Variant("vanilla"), Variant("sdsat_sample", 3, 0.2), Variant("sdsat_sample", 3, 1.0)]
+    # Trees are greedy only: sampling runs the tree schemes as their chains, once.
+    variants = plan_variants(["sdsat_greedy", "sdsat_sample"], [2], 3, [1.0], 10, max_k=8,
+                             schemes=("tree", "two_step", "lookup_tree"))
+    assert [(v.method, v.scheme) for v in variants] == [
+        ("sdsat_greedy", "tree"), ("sdsat_greedy", "two_step"), ("sdsat_greedy", "lookup_tree"),
+        ("sdsat_sample", "two_step"), ("sdsat_sample", "lookup")]
     with pytest.raises(ValueError, match="unknown methods"):
         plan_variants(["medusa"], [1], 1, [1.0], 10, max_k=8)
     with pytest.raises(ValueError, match="outside 1..8"):

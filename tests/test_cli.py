@@ -62,6 +62,17 @@ def test_lookup_verifies_copies_and_prints_the_same_text():
     assert "prompt lookup: " in lookup.stdout and "iterations verified copied tokens" in lookup.stdout
 
 
+def test_a_draft_tree_prints_the_same_text_and_how_often_a_runner_up_was_taken():
+    vanilla = cli("--prompt", PROMPT, "--method", "vanilla", "--max-new-tokens", "24")
+    tree = cli("--prompt", PROMPT, "--tree", "2", "--k", "3", "--max-new-tokens", "24")
+    assert vanilla.returncode == tree.returncode == 0, vanilla.stderr + tree.stderr
+    sep = "\n" + "-" * 60 + "\n"
+    assert tree.stdout.partition(sep)[0] == vanilla.stdout.partition(sep)[0]
+    assert "draft tree: 5 candidates per verify pass; " in tree.stdout  # k = 3 drafts and 2 runner-ups
+    line = one_error_line(cli("--prompt", PROMPT, "--tree", "9"))
+    assert "tree_candidates must be between 0 (off) and 8, got 9" in line
+
+
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""

@@ -36,8 +36,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help=f"any of {', '.join(METHODS)} (default: all)")
     what.add_argument("--k", nargs="+", type=int, help="sdsat_greedy's k sweep (default: 1..the SATs' max k)")
     what.add_argument("--schemes", nargs="+", default=["two_step"], metavar="SCHEME",
-                      help="SDSAT schemes to race: two_step (the paper), fused and/or lookup (two_step with "
-                           "prompt lookup's copies, --lookup-tokens of them, verified when found) (default two_step)")
+                      help="SDSAT schemes to race: two_step (the paper), fused, lookup (two_step with "
+                           "prompt lookup's copies, --lookup-tokens of them, verified when found), tree (two_step "
+                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups; greedy only) "
+                           "and/or lookup_tree (both) (default two_step)")
     what.add_argument("--sample-k", type=int, help="sdsat_sample's k (default 4, capped at the max k)")
     what.add_argument("--temperatures", nargs="+", type=float, help="sampling temperatures (default 0.2 1.0)")
     what.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling (default 1: off)")
@@ -46,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     what.add_argument("--lookup-ngram", type=int, default=2,
                       help="prompt lookup's max_matching_ngram_size, and the shortest recurring suffix "
                            "(lookup_ngram) after which the lookup scheme copies (default 2)")
+    what.add_argument("--tree-candidates", type=int, default=2,
+                      help="the tree schemes' runner-up candidates per verify pass, 1..8 (default 2)")
     how = parser.add_argument_group("measurement")
     how.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 256)")
     how.add_argument("--repeats", type=int, help="timed runs per prompt and method (default 1)")
@@ -128,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
                          temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup_tokens=args.warmup_tokens,
-                         lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram)
+                         lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram,
+                         tree_candidates=args.tree_candidates)
     try:
         variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
                                  config.lookup_tokens, engine.max_k, tuple(args.schemes))
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                      "temperatures": config.temperatures, "top_p": config.top_p, "seed": config.seed,
                      "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
                      "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,
-                     "lookup_ngram": config.lookup_ngram, "quick": args.quick, "subset": args.subset,
+                     "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates, "quick": args.quick, "subset": args.subset,
                      "limit": args.limit, "variants": [v.label for v in variants]},
     }
     prompt_ids = encode_prompts(engine, prompts)

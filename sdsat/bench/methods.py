@@ -8,8 +8,10 @@ Methods (names used by `--methods` and in every output):
   vanilla_sample  the engine's loop, sampling at each temperature
   sdsat_sample    SDSAT with speculative sampling, at each temperature
 
-SDSAT schemes (`--schemes`): two_step (the paper), fused, and lookup: two_step where prompt lookup's
-copies, when there are any, are verified in place of a SAT draft step (`DecodeConfig.lookup_tokens`).
+SDSAT schemes (`--schemes`): two_step (the paper), fused, lookup: two_step where prompt lookup's
+copies, when there are any, are verified in place of a SAT draft step (`DecodeConfig.lookup_tokens`),
+tree: two_step whose verify pass also checks the SATs' runner-up candidates (`DecodeConfig.tree_candidates`;
+greedy only, so sampling runs it as the chain and lists it under two_step), and lookup_tree: both.
 
 Forward passes are counted the same way for all of them, by a forward hook on the model, so tokens
 per forward pass compares `model.generate` with the engine honestly.
@@ -30,8 +32,10 @@ from ..engine import Engine
 from ..sampling import SamplingConfig
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
-BENCH_SCHEMES = SCHEMES + ("lookup",)
-_SCHEME_SUFFIX = {"two_step": [], "fused": ["fused"], "lookup": ["+lookup"]}
+BENCH_SCHEMES = SCHEMES + ("lookup", "tree", "lookup_tree")
+_SCHEME_SUFFIX = {"two_step": [], "fused": ["fused"], "lookup": ["+lookup"], "tree": ["+tree"],
+                  "lookup_tree": ["+lookup+tree"]}
+_WITHOUT_TREE = {"tree": "two_step", "lookup_tree": "lookup"}  # what sampling runs (trees are greedy only)
 SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
 METHODS = GREEDY_METHODS + SAMPLE_METHODS
 
@@ -84,7 +88,8 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         elif method == "vanilla_sample":
             variants.extend(Variant(method, temperature=t) for t in temperatures)
         elif method == "sdsat_sample":
-            variants.extend(Variant(method, k=sample_k, temperature=t, scheme=s) for s in schemes for t in temperatures)
+            sampled = dict.fromkeys(_WITHOUT_TREE.get(s, s) for s in schemes)
+            variants.extend(Variant(method, k=sample_k, temperature=t, scheme=s) for s in sampled for t in temperatures)
         else:
             variants.append(Variant(method))
     return variants
@@ -141,18 +146,19 @@ def count_forward_passes(model: torch.nn.Module) -> Iterator[list[int]]:
 
 def run_variant(engine: Engine, variant: Variant, prompt_ids: list[int], max_new_tokens: int,
                 seed: int | None = None, top_p: float = 1.0, lookup_ngram: int = 2, lookup_tokens: int = 10,
-                prompt_index: int = -1, repeat: int = 0) -> Run:
+                tree_candidates: int = 2, prompt_index: int = -1, repeat: int = 0) -> Run:
     """Generate once with `variant` and return the timed record."""
     if variant.method in ("generate", "prompt_lookup"):
         return _run_generate(engine, variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat)
     sampling = SamplingConfig()
     if not variant.greedy:
         sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
-    lookup = variant.scheme == "lookup"
+    lookup, tree = variant.scheme in ("lookup", "lookup_tree"), variant.scheme in ("tree", "lookup_tree")
     config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
                           k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling,
-                          scheme="two_step" if lookup else variant.scheme, lookup_tokens=lookup_tokens if lookup else 0,
-                          lookup_ngram=lookup_ngram)
+                          scheme=variant.scheme if variant.scheme in SCHEMES else "two_step",
+                          lookup_tokens=lookup_tokens if lookup else 0, lookup_ngram=lookup_ngram,
+                          tree_candidates=tree_candidates if tree else 0)
     return _run_engine(engine, variant, prompt_ids, config, seed, prompt_index, repeat)
 
 

@@ -39,6 +39,7 @@ class BenchConfig:
     warmup_tokens: int = 16  # each variant generates this many tokens once before timing; 0 skips
     lookup_tokens: int = 10  # prompt_lookup: prompt_lookup_num_tokens (drafts per step)
     lookup_ngram: int = 2  # prompt_lookup: max_matching_ngram_size
+    tree_candidates: int = 2  # the tree schemes: runner-up candidates verified beside the k drafts
 
     def seed_for(self, prompt_index: int, repeat: int) -> int:
         return self.seed + 1000 * prompt_index + repeat
@@ -54,7 +55,8 @@ def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], conf
         return
     for variant in variants:
         run_variant(engine, variant, prompt_ids, config.warmup_tokens, seed=config.seed, top_p=config.top_p,
-                    lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens)
+                    lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
+                    tree_candidates=config.tree_candidates)
         yield variant
 
 
@@ -68,7 +70,8 @@ def iterate_runs(engine: Engine, variants: list[Variant], prompt_ids: list[list[
             for variant in order:
                 yield run_variant(engine, variant, ids, config.max_new_tokens, seed=config.seed_for(index, repeat),
                                   top_p=config.top_p, lookup_ngram=config.lookup_ngram,
-                                  lookup_tokens=config.lookup_tokens, prompt_index=index, repeat=repeat)
+                                  lookup_tokens=config.lookup_tokens, tree_candidates=config.tree_candidates,
+                                  prompt_index=index, repeat=repeat)
 
 
 def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float = 10.0) -> dict:
