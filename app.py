@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import gradio as gr
 
-from sdsat.decoding import DecodeConfig
+from sdsat.decoding import MAX_TREE_CANDIDATES, DecodeConfig
 from sdsat.ui.benchmark import load_suites
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
 from sdsat.ui.render import legend_html, waiting_html
@@ -81,6 +81,10 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "
                                             "Fast on code, which repeats its names; outputs stay identical.")
+                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=0, step=1,
+                                     label="Draft tree: runner-up candidates to verify too (0 = off)",
+                                     info="Not in the paper, greedy only: the verify pass also checks the SATs' "
+                                          "second choices, which on a CPU ride along at almost no cost.")
                     with gr.Group(visible=False) as sampling_box:
                         temperature = gr.Slider(0.05, MAX_TEMPERATURE, value=0.8, step=0.05, label="Temperature")
                         top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
@@ -152,8 +156,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                    accepted_plot=accepted_plot, position_plot=position_plot, pass_plot=pass_plot,
                    explorer_slider=iteration, explorer=explorer_out, record=record, run_data=run_data)
     settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed]
-    # lookup last, after show_rejected: /race callers that send the earlier inputs keep working
-    run_event = run_btn.click(page.run, inputs=[*settings, show_rejected, lookup], outputs=[outputs[n] for n in RACE_OUTPUTS],
+    # lookup and tree last, after show_rejected: /race callers that send the earlier inputs keep working
+    run_event = run_btn.click(page.run, inputs=[*settings, show_rejected, lookup, tree], outputs=[outputs[n] for n in RACE_OUTPUTS],
                               api_name="race", concurrency_limit=limits.concurrency, concurrency_id="model")
     replay_event = replay_btn.click(page.replay, inputs=[record, show_rejected], outputs=[headline, vanilla_out, sdsat_out],
                                     api_visibility="private", concurrency_limit=8, concurrency_id="replay")

@@ -44,6 +44,8 @@ def page(default_engine):
     (dict(lookup_tokens=65), "prompt lookup tokens must be between 0 and 64"),
     (dict(lookup_tokens=-1), "prompt lookup tokens must be between 0 and 64"),
     (dict(lookup_tokens="many"), "prompt lookup tokens must be a whole number"),
+    (dict(tree_candidates=9), "draft tree candidates must be between 0 and 8"),
+    (dict(tree_candidates=1.5), "draft tree candidates must be a whole number"),
 ])
 def test_bad_setting_names_the_setting(change, named):
     with pytest.raises(SettingError, match=named.replace("(", r"\(")):
@@ -60,6 +62,9 @@ def test_good_settings_fill_both_configs():
     request = check_request(Limits(), 8, **(GOOD | dict(lookup_tokens="6")))
     assert (request.decode_config("sdsat").lookup_tokens, request.decode_config("vanilla").lookup_tokens) == (6, 0)
     assert request.settings()["lookup_tokens"] == 6
+    request = check_request(Limits(), 8, **(GOOD | dict(tree_candidates=2)))
+    assert (request.decode_config("sdsat").tree_candidates, request.decode_config("vanilla").tree_candidates) == (2, 0)
+    assert request.settings()["tree_candidates"] == 2 and sdsat.tree_candidates == 0
 
 
 def test_limits_from_env():
@@ -174,6 +179,20 @@ def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):
         assert f"<th>l{steps[i].k}</th>" in html
     figures = {trace.name for trace in final["pass_plot"].data} | {trace.name for trace in final["accepted_plot"].data}
     assert "SDSAT prompt lookup: verify [c, copies]" in figures and "accepted prompt-lookup copies" in figures
+
+
+def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
+    outs = list(page.run(**(GOOD | dict(prompt="class Point:\n", k=3, max_new_tokens=24)), tree_candidates=2,
+                         show_rejected=True))
+    final = dict(zip(RACE_OUTPUTS, outs[-1]))
+    data, record = final["run_data"], final["record"]
+    assert data["identical"] is True and data["settings"]["tree_candidates"] == 2
+    steps = record.sdsat.steps
+    assert all(st.candidates == 5 for st in steps[:-1])  # k = 3 drafts and 2 runner-ups in every verify pass
+    taken = [i for i, st in enumerate(steps) if any(st.draft_ranks[:st.accepted])]
+    assert taken, [(st.draft_ranks, st.accepted) for st in steps]  # the model took a SAT's second choice
+    html = page.explore(record, taken[0] + 1)
+    assert "checked 5 candidates (a draft tree" in html and "2nd choice" in html
 
 
 def test_markup_prompt_is_text_everywhere(page):

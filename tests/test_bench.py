@@ -237,7 +237,7 @@ def test_plan_variants_rejects_bad_settings():
 
 def _run(prompt, method, k, tokens, tps, drafted=None, accepted=None):
     return {"prompt_index": prompt, "repeat": 0, "method": method, "k": k, "temperature": None, "token_ids": tokens,
-            "new_tokens": len(tokens), "tokens_per_second": tps, "forward_passes": len(tokens),
+            "new_tokens": len(tokens), "tokens_per_second": tps, "seconds": len(tokens) / tps, "forward_passes": len(tokens),
             "tokens_per_iteration": [1] * len(drafted) if drafted is not None else None,
             "drafted_per_iteration": drafted, "accepted_per_iteration": accepted}
 
@@ -245,10 +245,12 @@ def _run(prompt, method, k, tokens, tps, drafted=None, accepted=None):
 def test_summary_metrics_and_loud_mismatch():
     runs = [_run(0, "vanilla", 0, [1, 2, 3], 10.0), _run(1, "vanilla", 0, [4, 5], 20.0),
             _run(0, "sdsat_greedy", 2, [1, 2, 3], 30.0, drafted=[2, 2, 2], accepted=[2, 1, 0]),
-            _run(1, "sdsat_greedy", 2, [4, 9], 20.0, drafted=[2], accepted=[0])]
+            _run(1, "sdsat_greedy", 2, [4, 9], 10.0, drafted=[2], accepted=[0])]
     summary = summarize(runs)
     sdsat = next(r for r in summary["variants"] if r["method"] == "sdsat_greedy")
-    assert sdsat["median_speedup"] == pytest.approx(2.0)  # median of 3.0 and 1.0
+    assert sdsat["median_speedup"] == pytest.approx(1.75)  # median of 3.0 and 0.5
+    # Overall: 5 tokens in 0.1 + 0.2 s against vanilla's 5 tokens in 0.3 + 0.1 s.
+    assert sdsat["overall_speedup"] == pytest.approx((5 / 0.3) / (5 / 0.4))
     assert sdsat["acceptance_by_position"] == pytest.approx([2 / 4, 1 / 4])
     assert sdsat["identical_to_vanilla"] == 1 and sdsat["compared_to_vanilla"] == 2
     assert summary["greedy_mismatches"] == [{"prompt_index": 1, "repeat": 0, "label": "sdsat_greedy k=2",

@@ -20,7 +20,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SCREENS = Path(os.environ.get("SDSAT_SCREENS", Path(__file__).resolve().parent.parent / "runs" / "screens"))
 RACE_ARGS = dict(prompt="def add(a, b):\n", model="smollm2-135m-instruct", chat=False, mode="greedy", k=4,
-                 max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0)
+                 max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0, tree_candidates=0)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,9 @@ def test_generate_api_greedy_is_identical_and_adds_up(server):
     data = client.predict(**(RACE_ARGS | dict(prompt=pattern, max_new_tokens=16, lookup_tokens=6)), api_name="/generate")
     assert data["identical"] is True and data["settings"]["lookup_tokens"] == 6
     assert data["sdsat"]["forward_passes"] < 2 * data["sdsat"]["iterations"]
+    # With a draft tree: still identical, and the settings say so.
+    data = client.predict(**(RACE_ARGS | dict(tree_candidates=2)), api_name="/generate")
+    assert data["identical"] is True and data["settings"]["tree_candidates"] == 2
 
 
 def test_race_endpoint_streams_the_page(server):
@@ -73,7 +76,8 @@ def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server):
                             (dict(model="../../etc/passwd"), "model must be one of"),
                             (dict(mode="sampling", top_p=2.0), "top-p must be in (0.0, 1.0]"),
                             (dict(max_new_tokens=10**6), "max new tokens must be between 1 and 48"),
-                            (dict(lookup_tokens=99), "prompt lookup tokens must be between 0 and 64")):
+                            (dict(lookup_tokens=99), "prompt lookup tokens must be between 0 and 64"),
+                            (dict(tree_candidates=-1), "draft tree candidates must be between 0 and 8")):
         with pytest.raises(Exception) as info:
             client.predict(**(RACE_ARGS | change), api_name="/generate")
         assert message in str(info.value)

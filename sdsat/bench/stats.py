@@ -6,6 +6,8 @@ exactly as the CLI summarised the live run.
   tokens/s                 median over prompts of the prompt's median over repeats
   speed-up                 per prompt, tokens/s of the method / tokens/s of `vanilla`; median over prompts
                            (SDSAT rows also against prompt_lookup, and sdsat_sample against vanilla_sample)
+  overall speed-up         all new tokens / all seconds, over vanilla's on the same prompts: the suite's
+                           throughput, where long generations weigh more (as Spec-Bench reports it)
   tokens per forward pass  all new tokens / all forward passes (vanilla = 1.0)
   mean tokens / iteration  new tokens per iteration, the bonus token counted (vLLM's mean accepted length)
   acceptance by position   of the iterations that drafted position i, the share that accepted draft i
@@ -33,6 +35,12 @@ def _per_prompt_tps(runs: list[dict]) -> dict[int, float]:
 
 def _speedups(tps: dict[int, float], base: dict[int, float]) -> list[float]:
     return [tps[p] / base[p] for p in sorted(tps) if p in base and base[p] > 0]
+
+
+def _throughput(runs: list[dict], prompts: set[int]) -> float | None:
+    picked = [r for r in runs if r["prompt_index"] in prompts]
+    seconds = sum(r["seconds"] for r in picked)
+    return sum(r["new_tokens"] for r in picked) / seconds if seconds > 0 else None
 
 
 def _acceptance(runs: list[dict]) -> tuple[list[int], list[int]]:
@@ -78,6 +86,8 @@ def summarize(runs: list[dict]) -> dict:
         stepped = [r for r in group if r["tokens_per_iteration"] is not None]  # engine runs: per-iteration records
         iterations = sum(len(r["tokens_per_iteration"]) for r in stepped)
         drafted, accepted = _acceptance(group)
+        shared = set(tps) & set(vanilla_tps)
+        mine, base = _throughput(group, shared), _throughput(groups.get(vanilla_key, []), shared)
         row = {
             "label": label_of(method, k, temperature, scheme), "method": method, "k": k, "temperature": temperature,
             "scheme": scheme,
@@ -86,6 +96,7 @@ def summarize(runs: list[dict]) -> dict:
             "median_speedup": statistics.median(speedups) if speedups else None,
             "min_speedup": min(speedups) if speedups else None,
             "max_speedup": max(speedups) if speedups else None,
+            "overall_speedup": mine / base if mine and base else None,
             "tokens_per_forward_pass": tokens / passes if passes else None,
             "mean_tokens_per_iteration": sum(r["new_tokens"] for r in stepped) / iterations if iterations else None,
             "acceptance_by_position": [a / d for a, d in zip(accepted, drafted)],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..decoding import StepRecord
 from .race import RaceRecord
-from .render import source_class, esc, esc_title, visible
+from .render import choice_name, esc, esc_title, source_class, visible
 
 
 def _chip(text: str, cls: str = "", title: str = "") -> str:
@@ -50,6 +50,8 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
               if drafted else f"verify pass {step.pass_seconds[0] * 1e3:.0f} ms")
     head = (f'<div class="ex-head"><b>Iteration {index + 1} of {len(steps)}</b> · '
             + (f"{k} tokens copied by prompt lookup" if copied else f"k = {k} adaptive tokens")
+            + (f" · the verify pass checked {step.candidates} candidates (a draft tree: the SATs' runner-ups too); "
+               "shown is the path it walked" if step.candidates > len(step.drafts) else "")
             + f' · cache {step.kv_len_before} → {step.kv_len} tokens · {passes} · emitted <b>{len(step.tokens)}</b> '
             f'tokens for {step.forward_passes} forward pass{"es" if drafted else ""}</div>')
     context = ('<div class="ex-context"><span class="ex-label">Context (tail)</span> … '
@@ -70,7 +72,9 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
         else:
             fed1 = [_chip(word(c, ""), "pending", "c")] + [f'<span class="chip sat">SAT<sub>{j}</sub></span>'
                                                            for j in range(1, k + 1)]
-            out1 += [_chip(word(dj, ""), "draft", f"draft d{j}") + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}")
+            ranks = step.draft_ranks or [0] * k
+            out1 += [_chip(word(dj, ""), "draft", f"draft d{j}: the SAT's {choice_name(ranks[j - 1])}")
+                     + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}" + (f" · {choice_name(ranks[j - 1])}" if ranks[j - 1] else ""))
                      for j, dj in enumerate(step.drafts, start=1)]
         rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
         rows.append(("Step 1 · predicted", _pad(out1, k + 2)))

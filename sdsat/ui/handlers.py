@@ -55,10 +55,12 @@ class Page:
         """On page load: the k range of an already loaded model, without waiting behind running races."""
         return self.k_slider(model) if self.cache.is_loaded(model) else gr.skip()
 
-    def prepare(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens=0):
+    def prepare(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens=0,
+                tree_candidates=0):
         """Check the settings, load the model, encode the prompt: (engine, request, prompt_ids)."""
         settings = dict(prompt=prompt, model=model, chat=chat, mode=mode, k=k, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, lookup_tokens=lookup_tokens)
+                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, lookup_tokens=lookup_tokens,
+                        tree_candidates=tree_candidates)
         try:
             check_request(self.limits, None, **settings)
             engine = self._engine(model)
@@ -71,14 +73,14 @@ class Page:
 
     # -- the race ------------------------------------------------------------------------------
     def run(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, show_rejected=False,
-            lookup_tokens=0) -> Iterator[tuple]:
+            lookup_tokens=0, tree_candidates=0) -> Iterator[tuple]:
         """Race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order."""
         skip = gr.skip()
         if not self.cache.is_loaded(model) and model in self.limits.models:
             yield (progress_html(None, f"Loading {model}… (first start of a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
         engine, request, prompt_ids = self.prepare(prompt, model, chat, mode, k, max_new_tokens, temperature, top_p,
-                                                    top_k, seed, lookup_tokens)
+                                                    top_k, seed, lookup_tokens, tree_candidates)
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
         cancel = threading.Event()
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -158,11 +160,12 @@ class Page:
     # -- API -------------------------------------------------------------------------------------
     async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = DecodeConfig.k,
                        max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                       seed: int = 0, lookup_tokens: int = 0) -> dict:
+                       seed: int = 0, lookup_tokens: int = 0, tree_candidates: int = 0) -> dict:
         """Race vanilla and SDSAT on one prompt; return both texts, token ids and metrics as JSON.
 
         `model` is one of the operator's models (empty: the first). `lookup_tokens` > 0 lets SDSAT verify
-        up to that many prompt-lookup copies where the text recurs. Greedy runs report whether the two
+        up to that many prompt-lookup copies where the text recurs; `tree_candidates` > 0 lets greedy SDSAT
+        also verify that many of the SATs' runner-up candidates (a draft tree). Greedy runs report whether the two
         outputs were identical; every decoder stops at the operator's limits.
         """
         cancel = threading.Event()
@@ -170,17 +173,17 @@ class Page:
             # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
             # iteration instead of running on for nobody.
             return await anyio.to_thread.run_sync(self.generate_sync, prompt, model, chat, mode, k, max_new_tokens,
-                                                  temperature, top_p, top_k, seed, lookup_tokens, cancel,
+                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates, cancel,
                                                   abandon_on_cancel=True)
         finally:
             cancel.set()
 
     def generate_sync(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed,
-                      lookup_tokens=0, cancel: threading.Event | None = None) -> dict:
+                      lookup_tokens=0, tree_candidates=0, cancel: threading.Event | None = None) -> dict:
         """`generate` in the calling thread; setting `cancel` stops it between two iterations."""
         model = model or self.limits.models[0]
         engine, request, prompt_ids = self.prepare(prompt, model, chat, mode, k, max_new_tokens, temperature, top_p,
-                                                    top_k, seed, lookup_tokens)
+                                                    top_k, seed, lookup_tokens, tree_candidates)
         cancel = cancel or threading.Event()
         snap = None
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)

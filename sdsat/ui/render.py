@@ -160,7 +160,13 @@ def source_class(step: StepRecord, source: str) -> str:
 def _draft_origin(step: StepRecord, i: int) -> str:
     if step.draft_source == "lookup":
         return "copied by prompt lookup"
-    return f"q = {_p(step.draft_probs[i])} from the SAT"
+    rank = step.draft_ranks[i] if i < len(step.draft_ranks) else 0
+    return f"q = {_p(step.draft_probs[i])} from the SAT" + (f" (its {choice_name(rank)}, from the draft tree)" if rank else "")
+
+
+def choice_name(rank: int) -> str:
+    """0 -> "first choice", 1 -> "2nd choice", ...: a SAT candidate's rank in words."""
+    return "first choice" if rank == 0 else f"{rank + 1}{ {1: 'nd', 2: 'rd'}.get(rank, 'th')} choice"
 
 
 def _pane(body: str, kind: str) -> str:

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..decoding import MAX_LOOKUP_TOKENS, DecodeConfig
+from ..decoding import MAX_LOOKUP_TOKENS, MAX_TREE_CANDIDATES, DecodeConfig
 from ..models import DEFAULT_MODEL
 from ..sampling import SamplingConfig
 
@@ -80,16 +80,19 @@ class RunRequest:
     max_new_tokens: int
     sampling: SamplingConfig
     lookup_tokens: int = 0  # SDSAT verifies up to this many prompt-lookup copies where the text recurs; 0: off
+    tree_candidates: int = 0  # greedy SDSAT also verifies this many of the SATs' runner-ups (a draft tree); 0: off
 
     def decode_config(self, method: str) -> DecodeConfig:
         # Each decoder gets its own SamplingConfig: the engine seeds a generator from it per request.
         sampling = SamplingConfig(**vars(self.sampling))
         return DecodeConfig(method=method, k=self.k, max_new_tokens=self.max_new_tokens, sampling=sampling,
-                            lookup_tokens=self.lookup_tokens if method == "sdsat" else 0)
+                            lookup_tokens=self.lookup_tokens if method == "sdsat" else 0,
+                            tree_candidates=self.tree_candidates if method == "sdsat" else 0)
 
     def settings(self) -> dict:
         return {"model": self.model, "chat": self.chat, "mode": self.mode, "k": self.k,
-                "max_new_tokens": self.max_new_tokens, "lookup_tokens": self.lookup_tokens} | (
+                "max_new_tokens": self.max_new_tokens, "lookup_tokens": self.lookup_tokens,
+                "tree_candidates": self.tree_candidates} | (
             {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
              "top_k": self.sampling.top_k, "seed": self.sampling.seed} if self.mode == "sampling" else {})
 
@@ -122,7 +125,7 @@ def _real(name: str, value, low: float, high: float, low_open: bool) -> float:
 
 
 def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mode, k, max_new_tokens,
-                  temperature, top_p, top_k, seed, lookup_tokens=0) -> RunRequest:
+                  temperature, top_p, top_k, seed, lookup_tokens=0, tree_candidates=0) -> RunRequest:
     """Check every setting a visitor sent; raises SettingError naming the first bad one.
 
     `max_k` is the chosen model's largest k (None: not known yet, checked again once it is loaded).
@@ -138,6 +141,7 @@ def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mod
     k = _integer("k (adaptive tokens per step)", k, 1, max_k or 64)
     max_new_tokens = _integer("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
     lookup_tokens = _integer("prompt lookup tokens", lookup_tokens, 0, MAX_LOOKUP_TOKENS)
+    tree_candidates = _integer("draft tree candidates", tree_candidates, 0, MAX_TREE_CANDIDATES)
     sampling = SamplingConfig()
     if mode == "sampling":
         sampling = SamplingConfig(
@@ -148,7 +152,7 @@ def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mod
             seed=_integer("seed", seed, 0, MAX_SEED),
         )
     return RunRequest(prompt=prompt, model=model, chat=bool(chat), mode=mode, k=k, max_new_tokens=max_new_tokens,
-                      sampling=sampling, lookup_tokens=lookup_tokens)
+                      sampling=sampling, lookup_tokens=lookup_tokens, tree_candidates=tree_candidates)
 
 
 def check_prompt_ids(limits: Limits, prompt_ids: list[int], request: RunRequest, max_context: int | None) -> None:
