@@ -163,7 +163,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                     api_visibility="private", concurrency_limit=8, concurrency_id="replay")
     stop_btn.click(None, cancels=[run_event, replay_event], api_visibility="private")
     show_rejected.change(page.sdsat_pane, [record, show_rejected], sdsat_out, queue=False, api_visibility="private")
-    mode.change(lambda m: gr.Group(visible=m == "sampling"), mode, sampling_box, queue=False, api_visibility="private")
+    mode.change(lambda m: (gr.Group(visible=m == "sampling"), gr.Slider(interactive=m == "greedy")), mode,
+                [sampling_box, tree], queue=False, api_visibility="private")
     model.change(page.k_slider, model, k, api_visibility="private", concurrency_id="model")
     iteration.input(page.explore, [record, iteration], explorer_out, queue=False, api_visibility="private")
     prev_btn.click(lambda r, i: page.step(r, i, -1), [record, iteration], [iteration, explorer_out], queue=False,

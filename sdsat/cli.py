@@ -196,7 +196,8 @@ def format_stats(result, sat_trained: bool = True) -> str:
         branched = [step for step in result.steps if step.candidates > len(step.draft_ranks) > 0]
         if branched:
             taken = sum(any(step.draft_ranks[:step.accepted]) for step in branched)
-            lines.append(f"draft tree: {branched[0].candidates} candidates per verify pass; {taken} of {len(branched)} "
+            most = max(step.candidates for step in branched)  # fewer runner-ups fit when adaptive k is small
+            lines.append(f"draft tree: up to {most} candidates per verify pass; {taken} of {len(branched)} "
                          "iterations accepted a SAT's runner-up")
         if not sat_trained:
             lines.append("note: these SATs are an untrained adapter, so drafts are rarely accepted")

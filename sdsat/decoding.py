@@ -60,10 +60,10 @@ class DecodeConfig:
     lookup_tokens: int = 0  # SDSAT two_step: when the last tokens recur, verify up to this many tokens
     # copied from after that occurrence instead of SAT drafts (prompt lookup): in one pass when the bonus
     # token completes the recurring n-gram, else in the verify pass after the draft pass's token; 0: off
-    tree_candidates: int = 0  # SDSAT two_step, greedy: also verify this many of the SATs' runner-up candidates
-    # (a draft tree, `tree.py`) in the verify pass; sampling verifies the chain; 0: the chain (the paper)
     lookup_ngram: int = 2  # at least this many last tokens must recur (1 was measured worse on chat: too weak
     # a hint); longer recurring suffixes, up to LOOKUP_LONGEST_NGRAM, are preferred
+    tree_candidates: int = 0  # SDSAT two_step, greedy: also verify this many of the SATs' runner-up candidates
+    # (a draft tree, `tree.py`) in the verify pass; sampling verifies the chain; 0: the chain (the paper)
 
     def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
         if self.method not in METHODS:
@@ -96,8 +96,9 @@ class StepRecord:
 
     index: int  # iteration number, from 0
     kv_len_before: int  # tokens in the cache when the iteration started
-    k: int  # drafts asked for (0 for vanilla)
-    drafts: list[int]  # d_1..d_k from the SATs, or the copies prompt lookup verified (draft_source "lookup")
+    k: int  # drafts asked for: the SATs of the draft pass, or the copies verified (0 for vanilla)
+    drafts: list[int]  # d_1..d_k from the SATs, or the copies prompt lookup verified (draft_source "lookup"); with a
+    # draft tree, the path the verification walked (shorter than k when it ended in a runner-up without children)
     draft_probs: list[float]  # q(d_i): the SAT's probability of its own draft (1.0 for a copy)
     predictions: list[int]  # argmax of the model after t, d_1, ..., d_k (what verification compared)
     accepted: int  # drafts accepted (a prefix of `drafts`)
@@ -108,8 +109,8 @@ class StepRecord:
     kv_len: int  # tokens in the cache after the iteration
     elapsed: float  # seconds since the request started, at the end of this iteration
     draft_source: str = "sat"  # "sat" (drafted by the SATs), "lookup" (copied by prompt lookup) or "" (vanilla)
-    draft_ranks: list[int] = field(default_factory=list)  # SAT drafts: each one's rank in its q (0: the top
-    # choice; a draft tree also verifies runner-ups); empty for copies
+    draft_ranks: list[int] = field(default_factory=list)  # greedy SAT drafts: each one's rank in its q (0: the
+    # top choice; a draft tree also verifies runner-ups); empty for copies and sampled drafts
     candidates: int = 0  # drafted tokens the verify pass checked: k, the copies, or every node of a draft tree
 
     @property
@@ -340,7 +341,7 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             t1 = clock.now()
             base = cache.get_seq_length()
             verified_drafts, verified_q = drafts, q
-            candidates, ranks = len(drafts), [0] * len(drafts)
+            candidates, ranks = len(drafts), [] if chooser.config.do_sample else [0] * len(drafts)
             if config.scheme == "fused":
                 p, accepted, bonus, q, drafts = _fused_pass(sat_model, chooser, cache, pending[0], verified_drafts, verified_q)
             elif tree_candidates and not copies:
@@ -364,7 +365,7 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             probs += [float(p[i, draft_list[i]]) for i in range(accepted)] + [float(p[accepted, bonus])]
             emitted, sources, probs, done = _cut_at_stop(stop, emitted, sources, probs)
             steps.append(StepRecord(
-                index=len(steps), kv_len_before=kv_before, k=len(draft_list), drafts=draft_list,
+                index=len(steps), kv_len_before=kv_before, k=len(draft_list) if copies else k, drafts=draft_list,
                 draft_probs=([1.0] * len(draft_list) if copies
                              else verified_q[torch.arange(len(draft_list)), verified_drafts].tolist()),
                 predictions=p.argmax(-1).tolist(), accepted=accepted, tokens=emitted, sources=sources, probs=probs,
@@ -419,8 +420,7 @@ def _fused_pass(sat_model: SatModel, chooser: TokenChooser, cache, c: int, draft
     kv_before = cache.get_seq_length()
     layout = SatLayout.runs_at(k + 1, torch.arange(k + 1), k)
     block = torch.cat([torch.tensor([c], device=device), drafts, torch.zeros(layout.num_sats, dtype=torch.long, device=device)])
-    mask = layout.attention_mask().to(device)  # (1, 1, T, T) within the block; the cache is visible to all
-    mask = torch.cat([torch.ones(*mask.shape[:3], kv_before, dtype=torch.bool, device=device), mask], -1)
+    mask = _behind_cache(layout.attention_mask(), kv_before, device)
     inputs = dict(input_ids=block[None], sat_slots=layout.sat_slots.to(device), cache=cache, attention_mask=mask,
                   position_ids=layout.position_ids.to(device) + kv_before)
     # Only k + 1 verify rows and the k rows of one branch need logits; projecting just those onto the
@@ -444,28 +444,35 @@ def _tree_pass(sat_model: SatModel, chooser: TokenChooser, cache, t: int, q: tor
     device = sat_model.device
     base = cache.get_seq_length()
     tokens, ranks = tree.candidates(q)
-    mask = tree.attention_mask.to(device)
-    mask = torch.cat([torch.ones(*mask.shape[:3], base, dtype=torch.bool, device=device), mask], -1)
     logits = sat_model.forward(torch.cat([torch.tensor([t], device=device), tokens])[None], cache=cache,
-                               attention_mask=mask, position_ids=tree.position_offsets.to(device) + base)[0]
+                               attention_mask=_behind_cache(tree.attention_mask, base, device),
+                               position_ids=tree.position_offsets.to(device) + base)[0]
     p = chooser.probs(logits)
     predictions = p.argmax(-1).tolist()
     accepted, shown = tree.walk(predictions, tokens.tolist())
-    _keep_rows(cache, base, [0] + [i + 1 for i in accepted])
+    _keep_rows(cache, base, 1 + len(tokens), [0] + [i + 1 for i in accepted])
     rows = [0] + [i + 1 for i in shown]
     return p[rows], len(accepted), predictions[rows[len(accepted)]], tokens[shown], [ranks[i] for i in shown]
 
 
-def _keep_rows(cache: DynamicCache, base: int, rows: list[int]) -> None:
-    """Keep the block rows `rows` (ascending offsets from `base`) at base, base + 1, ...; drop the rest.
+def _behind_cache(mask: torch.Tensor, cached: int, device: torch.device) -> torch.Tensor:
+    """A block's (1, 1, T, T) boolean mask widened to (1, 1, T, cached + T): every row sees the whole cache."""
+    mask = mask.to(device)
+    return torch.cat([torch.ones(*mask.shape[:3], cached, dtype=torch.bool, device=device), mask], -1)
 
-    Keys are stored after the rotary embedding, so a row keeps its position wherever it is moved.
+
+def _keep_rows(cache: DynamicCache, base: int, block: int, rows: list[int]) -> None:
+    """Of the last `block` rows just added after `base`, keep `rows` (ascending offsets) at base, base + 1, ...
+
+    Keys are stored after the rotary embedding, so a row keeps its position wherever it is moved. Rows
+    are found from each layer's end, which also holds for layers that keep only a recent window.
     """
     if rows != list(range(len(rows))):
-        index = torch.tensor(rows, device=cache.layers[0].keys.device) + base
+        index = torch.tensor(rows, device=cache.layers[0].keys.device)
         for layer in cache.layers:
             for kv in (layer.keys, layer.values):
-                kv[..., base:base + len(rows), :] = kv[..., index, :]
+                first = kv.shape[-2] - block
+                kv[..., first:first + len(rows), :] = kv[..., first + index, :]
     _rollback(cache, base + len(rows))
 
 

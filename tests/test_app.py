@@ -65,6 +65,8 @@ def test_good_settings_fill_both_configs():
     request = check_request(Limits(), 8, **(GOOD | dict(tree_candidates=2)))
     assert (request.decode_config("sdsat").tree_candidates, request.decode_config("vanilla").tree_candidates) == (2, 0)
     assert request.settings()["tree_candidates"] == 2 and sdsat.tree_candidates == 0
+    sampled = check_request(Limits(), 8, **(GOOD | dict(mode="sampling", tree_candidates=2)))
+    assert sampled.decode_config("sdsat").tree_candidates == sampled.settings()["tree_candidates"] == 0  # greedy only
 
 
 def test_limits_from_env():

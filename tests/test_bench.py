@@ -229,6 +229,8 @@ def test_plan_variants_rejects_bad_settings():
     assert [(v.method, v.scheme) for v in variants] == [
         ("sdsat_greedy", "tree"), ("sdsat_greedy", "two_step"), ("sdsat_greedy", "lookup_tree"),
         ("sdsat_sample", "two_step"), ("sdsat_sample", "lookup")]
+    with pytest.raises(ValueError, match="--tree-candidates must be between 1 and 8 for the tree schemes, got 0"):
+        plan_variants(["sdsat_greedy"], [2], 3, [1.0], 10, max_k=8, schemes=("lookup_tree",), tree_candidates=0)
     with pytest.raises(ValueError, match="unknown methods"):
         plan_variants(["medusa"], [1], 1, [1.0], 10, max_k=8)
     with pytest.raises(ValueError, match="outside 1..8"):

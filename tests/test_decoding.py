@@ -126,12 +126,14 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
             passes, verified = passes + 1, verified + 1
             assert step.kv_len == len(prompt) + emitted  # everything but the token just chosen
         else:
-            assert len(step.drafts) == len(step.draft_probs) == step.k
-            assert len(step.predictions) == step.k + 1
-            assert 0 <= step.accepted <= step.k
+            # A draft tree shows the path it walked, shorter than k when it ended in a childless runner-up.
+            assert len(step.drafts) == len(step.draft_probs) == step.k or (
+                step.candidates > step.k and 1 <= len(step.drafts) == len(step.draft_probs) < step.k)
+            assert len(step.predictions) == len(step.drafts) + 1
+            assert 0 <= step.accepted <= len(step.drafts)
             # Greedy verification: accepted drafts are the model's own choices, the first rejected is not.
             assert step.drafts[:step.accepted] == step.predictions[:step.accepted]
-            if step.accepted < step.k:
+            if step.accepted < len(step.drafts):
                 assert step.drafts[step.accepted] != step.predictions[step.accepted]
             # This iteration began with a draft pass (not when prompt lookup supplied the drafts).
             drafted = (step.sources[0] == "verified" if lookup
@@ -358,19 +360,20 @@ def test_greedy_sdsat_with_a_draft_tree_equals_vanilla(sat_model: SatModel):
     for n, prompt in enumerate(random_prompts(seed=5, count=6)):
         budget = 14 + 3 * n
         reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
-        for k, extra, lookup in itertools.product((1, 2, 3, 5), (1, 2, MAX_TREE_CANDIDATES), (0, 4)):
-            config = replace(greedy("sdsat", k, budget), tree_candidates=extra, lookup_tokens=lookup)
+        cases = [(k, extra, lookup, False) for k, extra, lookup in itertools.product((1, 2, 3, 5), (1, 2, MAX_TREE_CANDIDATES), (0, 4))]
+        for k, extra, lookup, adaptive in cases + [(5, 3, 0, True), (4, MAX_TREE_CANDIDATES, 4, True)]:
+            config = replace(greedy("sdsat", k, budget), tree_candidates=extra, lookup_tokens=lookup, adaptive_k=adaptive)
             result = run(decode(sat_model, TOKENIZER, prompt, config, []))
-            assert result.token_ids == reference, f"k={k} tree={extra} lookup={lookup} prompt={prompt}"
+            assert result.token_ids == reference, f"k={k} tree={extra} lookup={lookup} adaptive={adaptive} prompt={prompt}"
             check_records(result, prompt, sdsat=True, lookup=bool(lookup))
-            tree = DraftTree.for_k(k, extra)
             for step in result.steps:
                 if step.draft_source == "lookup":
                     assert step.draft_ranks == [] and step.candidates == step.k
                     continue
-                assert step.candidates == len(tree.paths)
-                assert tuple(step.draft_ranks) in tree.paths or not step.draft_ranks  # the path shown is in the tree
-                assert len(step.draft_ranks) == step.k
+                tree = DraftTree.for_k(step.k, extra)  # adaptive k: this iteration's k
+                assert step.candidates == len(tree.paths) and (adaptive or step.k == k)
+                assert tuple(step.draft_ranks) in tree.paths  # the path shown is a path of the tree
+                assert len(step.draft_ranks) == len(step.drafts) <= step.k
                 stats["runner-up accepted"] += any(step.draft_ranks[:step.accepted])
                 stats["runner-up accepted on a longer path"] += any(step.draft_ranks[:step.accepted]) and step.accepted > 1
     assert stats["runner-up accepted"] > 10, stats  # the branches really were taken (and their rows moved)
@@ -432,7 +435,7 @@ def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model
     config = replace(greedy("sdsat", 3, 16), tree_candidates=2,
                      sampling=SamplingConfig(do_sample=True, temperature=0.8, seed=3))
     result = run(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
-    assert all(s.candidates == s.k == 3 and s.draft_ranks == [0, 0, 0] for s in result.steps if len(s.tokens) > 1)
+    assert all(s.candidates == s.k == len(s.drafts) == 3 and s.draft_ranks == [] for s in result.steps)  # the chain
     for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1), "tree_candidates must be between 0 \\(off\\) and"),
                          (dict(tree_candidates=-1), "tree_candidates must be between"),
                          (dict(tree_candidates=2, scheme="fused"), "tree_candidates works with the two_step scheme only")):

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                          tree_candidates=args.tree_candidates)
     try:
         variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
-                                 config.lookup_tokens, engine.max_k, tuple(args.schemes))
+                                 config.lookup_tokens, engine.max_k, tuple(args.schemes), config.tree_candidates)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

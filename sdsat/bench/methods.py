@@ -27,15 +27,24 @@ from typing import Iterator
 import torch
 from transformers import GenerationConfig
 
-from ..decoding import SCHEMES, DecodeConfig, run
+from ..decoding import MAX_TREE_CANDIDATES, DecodeConfig, run
 from ..engine import Engine
 from ..sampling import SamplingConfig
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
-BENCH_SCHEMES = SCHEMES + ("lookup", "tree", "lookup_tree")
+# Each benchmark scheme: the decoder's scheme, prompt lookup on, draft tree on.
+_SCHEME_PARTS = {"two_step": ("two_step", False, False), "fused": ("fused", False, False),
+                 "lookup": ("two_step", True, False), "tree": ("two_step", False, True),
+                 "lookup_tree": ("two_step", True, True)}
+BENCH_SCHEMES = tuple(_SCHEME_PARTS)
 _SCHEME_SUFFIX = {"two_step": [], "fused": ["fused"], "lookup": ["+lookup"], "tree": ["+tree"],
                   "lookup_tree": ["+lookup+tree"]}
-_WITHOUT_TREE = {"tree": "two_step", "lookup_tree": "lookup"}  # what sampling runs (trees are greedy only)
+
+
+def _without_tree(scheme: str) -> str:
+    """What sampling runs for a scheme: trees are greedy only, so a tree scheme samples as its chain."""
+    decoder, lookup, _ = _SCHEME_PARTS[scheme]
+    return "lookup" if lookup else decoder
 SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
 METHODS = GREEDY_METHODS + SAMPLE_METHODS
 
@@ -65,7 +74,8 @@ def label_of(method: str, k: int, temperature: float | None, scheme: str = "two_
 
 
 def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
-                  lookup_tokens: int, max_k: int, schemes: tuple[str, ...] = ("two_step",)) -> list[Variant]:
+                  lookup_tokens: int, max_k: int, schemes: tuple[str, ...] = ("two_step",),
+                  tree_candidates: int = 2) -> list[Variant]:
     """The variants of a run, in a fixed order (vanilla first when present)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -75,6 +85,9 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
     if not schemes or any(s not in BENCH_SCHEMES for s in schemes):
         raise ValueError(f"schemes must be among {', '.join(BENCH_SCHEMES)}, got {list(schemes)}")
+    if any(_SCHEME_PARTS[s][2] for s in schemes) and not 1 <= tree_candidates <= MAX_TREE_CANDIDATES:
+        raise ValueError(f"--tree-candidates must be between 1 and {MAX_TREE_CANDIDATES} for the tree schemes, "
+                         f"got {tree_candidates}")
     if any(not t > 0 for t in temperatures):
         raise ValueError(f"temperatures must be above 0, got {temperatures}")
     variants: list[Variant] = []
@@ -88,7 +101,7 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         elif method == "vanilla_sample":
             variants.extend(Variant(method, temperature=t) for t in temperatures)
         elif method == "sdsat_sample":
-            sampled = dict.fromkeys(_WITHOUT_TREE.get(s, s) for s in schemes)
+            sampled = dict.fromkeys(_without_tree(s) for s in schemes)
             variants.extend(Variant(method, k=sample_k, temperature=t, scheme=s) for s in sampled for t in temperatures)
         else:
             variants.append(Variant(method))
@@ -153,10 +166,9 @@ def run_variant(engine: Engine, variant: Variant, prompt_ids: list[int], max_new
     sampling = SamplingConfig()
     if not variant.greedy:
         sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
-    lookup, tree = variant.scheme in ("lookup", "lookup_tree"), variant.scheme in ("tree", "lookup_tree")
+    decoder, lookup, tree = _SCHEME_PARTS[variant.scheme]
     config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
-                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling,
-                          scheme=variant.scheme if variant.scheme in SCHEMES else "two_step",
+                          k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling, scheme=decoder,
                           lookup_tokens=lookup_tokens if lookup else 0, lookup_ngram=lookup_ngram,
                           tree_candidates=tree_candidates if tree else 0)
     return _run_engine(engine, variant, prompt_ids, config, seed, prompt_index, repeat)

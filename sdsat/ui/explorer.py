@@ -85,20 +85,22 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
             + _sub(f"l{j}") for j, l in enumerate(step.drafts, start=1)], k + 2)))
     # Verify: [t or c, drafts] -> the model's own choice for positions 1..k+1
     name = "t" if drafted else "c"
-    fed2 = [_chip(word(first, ""), "src-verified" if drafted else "pending")] + [
-        _chip(word(x, ""), "copy" if copied else "draft") for x in step.drafts] + [""]
+    fed2 = _pad([_chip(word(first, ""), "src-verified" if drafted else "pending")] + [
+        _chip(word(x, ""), "copy" if copied else "draft") for x in step.drafts], k + 2)
     choice = ['<span class="muted">—</span>']
     for j, pred in enumerate(step.predictions, start=1):
         label = f"model's choice after {name if j == 1 else f'{d}{j - 1}'}" + ("" if greedy else " (argmax of p)")
         choice.append(_chip(word(pred, ""), "pred", label))
     verify = "Step 2 · verify pass" if drafted else "Verify pass"
     rows.append((f"{verify} fed", fed2))
-    rows.append((f"{verify} · model's choice", choice))
+    rows.append((f"{verify} · model's choice", _pad(choice, k + 2)))
     # Verdict per position
     verdict = ['<span class="verdict ok">kept</span>' if drafted else '<span class="muted">(emitted before)</span>']
     for j in range(1, k + 1):
         if j <= a:
             verdict.append('<span class="verdict ok">✓ accepted</span>')
+        elif j > len(step.drafts):  # a draft tree's path ended in a runner-up with no candidates below it
+            verdict.append('<span class="verdict skip">no candidate on this path</span>')
         elif j == a + 1:
             verdict.append('<span class="verdict bad">✗ rejected</span>')
         else:
