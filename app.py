@@ -81,7 +81,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "
                                             "Fast on code, which repeats its names; outputs stay identical.")
-                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=0, step=1,
+                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=0, step=1, elem_id="tree",
                                      label="Draft tree: runner-up candidates to verify too (0 = off)",
                                      info="Not in the paper, greedy only: the verify pass also checks the SATs' "
                                           "second choices, which on a CPU ride along at almost no cost.")

@@ -166,6 +166,29 @@ def test_browser_race(server):
     assert (SCREENS / "race.png").stat().st_size > 10_000
 
 
+def test_browser_race_with_a_draft_tree(server):
+    """The Draft tree setting: still identical, a SAT's second choice is named in a token's tooltip, and
+    the setting greys out when sampling (trees are greedy only)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(server)
+            page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
+            page.locator("#max-new input[type=number]").fill("40")
+            page.locator("#tree input[type=number]").fill("2")
+            page.locator("#tree input[type=number]").press("Enter")
+            page.get_by_role("button", name="Run the race").click()
+            page.locator(".check.ok").wait_for(timeout=300_000)
+            assert "Identical output: checked" in page.locator(".check.ok").inner_text()
+            assert page.locator('#sdsat-out .tok.src-draft[title*="2nd choice"]').count() > 0
+            page.get_by_label("sampling").check()
+            page.locator("#tree input[type=number]:disabled").wait_for(timeout=10_000)
+        finally:
+            browser.close()
+
+
 def test_chromium_and_playwright_are_available():
     """Tells CI apart from a skipped browser test: `make test` installs both."""
     if os.environ.get("CI") or os.environ.get("SDSAT_REQUIRE_BROWSER"):
