@@ -112,6 +112,8 @@ class StepRecord:
     draft_ranks: list[int] = field(default_factory=list)  # greedy SAT drafts: each one's rank in its q (0: the
     # top choice; a draft tree also verifies runner-ups); empty for copies and sampled drafts
     candidates: int = 0  # drafted tokens the verify pass checked: k, the copies, or every node of a draft tree
+    tree_paths: list[list[int]] = field(default_factory=list)  # a draft tree's nodes as rank paths (tree.py)
+    tree_tokens: list[int] = field(default_factory=list)  # the token of each of those nodes
 
     @property
     def rejected(self) -> list[int]:
@@ -342,11 +344,12 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             base = cache.get_seq_length()
             verified_drafts, verified_q = drafts, q
             candidates, ranks = len(drafts), [] if chooser.config.do_sample else [0] * len(drafts)
+            tree, nodes = None, []
             if config.scheme == "fused":
                 p, accepted, bonus, q, drafts = _fused_pass(sat_model, chooser, cache, pending[0], verified_drafts, verified_q)
             elif tree_candidates and not copies:
                 tree = DraftTree.for_k(len(drafts), tree_candidates)
-                p, accepted, bonus, verified_drafts, ranks = _tree_pass(sat_model, chooser, cache, pending[0], q, tree)
+                p, accepted, bonus, verified_drafts, ranks, nodes = _tree_pass(sat_model, chooser, cache, pending[0], q, tree)
                 candidates, drafts, q = len(tree.paths), None, None
             else:
                 p = chooser.probs(sat_model.forward(torch.cat([torch.tensor(pending, device=device), drafts])[None], cache=cache)[0])
@@ -371,7 +374,7 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
                 predictions=p.argmax(-1).tolist(), accepted=accepted, tokens=emitted, sources=sources, probs=probs,
                 pass_seconds=pass_seconds, kv_len=cache.get_seq_length(), elapsed=t2 - clock.start,
                 draft_source="lookup" if copies else "sat", draft_ranks=[] if copies else ranks[:len(draft_list)],
-                candidates=candidates))
+                candidates=candidates, tree_paths=[list(path) for path in tree.paths] if tree else [], tree_tokens=nodes))
             yield steps[-1]
             if done or (should_stop is not None and should_stop()):
                 break
@@ -439,7 +442,7 @@ def _tree_pass(sat_model: SatModel, chooser: TokenChooser, cache, t: int, q: tor
     """Greedy verify pass over [t, every candidate of `tree`]; keeps t and the accepted path in the cache.
 
     Returns p (rows of t and the shown path, (len(path) + 1, V)), accepted, the bonus token, the shown
-    path's tokens (accepted ones first) and their ranks in q.
+    path's tokens (accepted ones first), their ranks in q, and every node's token.
     """
     device = sat_model.device
     base = cache.get_seq_length()
@@ -452,7 +455,7 @@ def _tree_pass(sat_model: SatModel, chooser: TokenChooser, cache, t: int, q: tor
     accepted, shown = tree.walk(predictions, tokens.tolist())
     _keep_rows(cache, base, 1 + len(tokens), [0] + [i + 1 for i in accepted])
     rows = [0] + [i + 1 for i in shown]
-    return p[rows], len(accepted), predictions[rows[len(accepted)]], tokens[shown], [ranks[i] for i in shown]
+    return p[rows], len(accepted), predictions[rows[len(accepted)]], tokens[shown], [ranks[i] for i in shown], tokens.tolist()
 
 
 def _behind_cache(mask: torch.Tensor, cached: int, device: torch.device) -> torch.Tensor:

@@ -195,6 +195,9 @@ def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
     assert taken, [(st.draft_ranks, st.accepted) for st in steps]  # the model took a SAT's second choice
     html = page.explore(record, taken[0] + 1)
     assert "checked 5 candidates (a draft tree" in html and "2nd choice" in html
+    # Every candidate is drawn: accepted ones, the first choice the model turned down, those below it.
+    assert "Draft tree · every candidate verified" in html
+    assert html.count('class="tree-node"') == 5 and 'chip tree-no' in html and 'chip draft' in html
 
 
 def test_markup_prompt_is_text_everywhere(page):

@@ -374,6 +374,10 @@ def test_greedy_sdsat_with_a_draft_tree_equals_vanilla(sat_model: SatModel):
                 assert step.candidates == len(tree.paths) and (adaptive or step.k == k)
                 assert tuple(step.draft_ranks) in tree.paths  # the path shown is a path of the tree
                 assert len(step.draft_ranks) == len(step.drafts) <= step.k
+                # Every node is recorded, and the walked path is made of them.
+                assert step.tree_paths == [list(p) for p in tree.paths] and len(step.tree_tokens) == step.candidates
+                for i, token in enumerate(step.drafts):
+                    assert step.tree_tokens[step.tree_paths.index(step.draft_ranks[:i + 1])] == token
                 stats["runner-up accepted"] += any(step.draft_ranks[:step.accepted])
                 stats["runner-up accepted on a longer path"] += any(step.draft_ranks[:step.accepted]) and step.accepted > 1
     assert stats["runner-up accepted"] > 10, stats  # the branches really were taken (and their rows moved)
@@ -399,9 +403,10 @@ def test_tree_pass_keeps_the_accepted_rows_as_a_plain_pass_would():
         q[0, (nxt + 1) % VOCAB], q[0, nxt] = 0.5, 0.4
         q[1, after] = 0.5
         tree = DraftTree(((0,), (0, 0), (1,), (1, 0)))
-        p, accepted, bonus, shown, ranks = _tree_pass(sat_model, TokenChooser(SamplingConfig(), torch.device("cpu")),
+        p, accepted, bonus, shown, ranks, nodes = _tree_pass(sat_model, TokenChooser(SamplingConfig(), torch.device("cpu")),
                                                       cache, t, q / q.sum(-1, keepdim=True), tree)
     assert (accepted, shown.tolist(), ranks) == (2, [nxt, after], [1, 0])
+    assert len(nodes) == 4 and nodes[2] == nxt and nodes[3] == after  # (1,) and (1, 0) in the tree's order
     assert p.shape[0] == 3 and int(p[2].argmax()) == bonus == then
     assert cache.get_seq_length() == len(prompt) + 3 == ref.get_seq_length()
     for mine, theirs in zip(cache.layers, ref.layers):

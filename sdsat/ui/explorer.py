@@ -4,7 +4,9 @@ Columns are the output positions the iteration can fill: column 0 is t (predicte
 token not yet in the cache), column j is draft d_j (predicted from SAT_j), and column k+1 is what
 only the verify pass can give. Rows are the two forward passes, what each was fed and what it
 predicted, and the verdict per position. With prompt lookup on, the drafts may be copies l_j of
-what followed the same text before: verified after t, or straight after c in a single pass.
+what followed the same text before: verified after t, or straight after c in a single pass. With a
+draft tree, a row shows every candidate the verify pass checked, by depth: accepted, turned down by
+the model, or not reached (below a candidate it turned down); the drafts shown are the walked path.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
                      for j, dj in enumerate(step.drafts, start=1)]
         rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
         rows.append(("Step 1 · predicted", _pad(out1, k + 2)))
+        if step.tree_paths:
+            rows.append(("Draft tree · every candidate verified", _tree_cells(step, word, k)))
     first = step.tokens[0] if drafted else c  # what the verify pass starts from
     if copied:
         rows.append(("Prompt lookup copied", _pad(['<span class="muted">—</span>'] + [
@@ -129,6 +133,25 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
               f'{" + bonus" if bonus is not None else ""}; rejected drafts left the cache.</span></div>'
               f'<div class="ex-rule muted">{rule}</div>')
     return f'<div class="explorer">{head}{context}{table}{result}</div>'
+
+
+def _tree_cells(step: StepRecord, word, k: int) -> list[str]:
+    """One cell per depth: the draft tree's candidates there, marked accepted, turned down or not reached."""
+    walked = step.draft_ranks[:step.accepted]
+    cells = ['<span class="muted">—</span>'] + [""] * (k + 1)
+    for path, token in zip(step.tree_paths, step.tree_tokens):
+        depth = len(path)
+        if path == walked[:depth] and depth <= len(walked):
+            cls, mark = "draft", "✓"
+        elif path[:-1] == walked[:depth - 1] and depth - 1 <= len(walked):
+            cls, mark = "tree-no", "✗"  # its parent was accepted, so the model compared it
+        else:
+            cls, mark = "tree-skip", "·"  # below a candidate the model turned down
+        after = f", after {' → '.join(choice_name(r) for r in path[:-1])}" if depth > 1 else ""
+        title = f"the SAT's {choice_name(path[-1])} for position {depth}{after}"
+        cells[depth] += (f'<div class="tree-node">{_chip(word(token, ""), cls, title)} '
+                         f'<span class="sub">{mark} {esc(choice_name(path[-1]).split()[0])}</span></div>')
+    return cells
 
 
 def _pad(cells: list[str], width: int) -> list[str]:

@@ -88,6 +88,9 @@ CSS = """
 .chip.src-verified, .chip.src-draft, .chip.src-copy, .chip.src-bonus { box-shadow: none; }
 .chip.src-verified { border-color: #93c5fd; } .chip.src-draft { border-color: #6ee7b7; } .chip.src-bonus { border-color: #fcd34d; }
 .chip.src-copy, .chip.copy { border-color: #67e8f9; } .chip.copy { background: #ecfeff; }
+.chip.tree-no { background: #fef2f2; border-color: #fecaca; text-decoration: line-through; }
+.chip.tree-skip { opacity: .45; }
+.tree-node { white-space: nowrap; margin-bottom: 2px; }
 .sub { font-size: 10.5px; color: #64748b; margin-top: 2px; }
 .verdict { display: inline-block; font-size: 12px; font-weight: 600; border-radius: 6px; padding: 2px 6px; margin-bottom: 3px; }
 .verdict.ok { color: #065f46; background: #d1fae5; }
