@@ -198,6 +198,7 @@ def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
     # Every candidate is drawn: accepted ones, the first choice the model turned down, those below it.
     assert "Draft tree · every candidate verified" in html
     assert html.count('class="tree-node"') == 5 and 'chip tree-no' in html and 'chip draft' in html
+    assert all(t in record.vocab for st in steps for t in st.tree_tokens)  # every candidate has its text
 
 
 def test_markup_prompt_is_text_everywhere(page):

@@ -162,6 +162,7 @@ def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap
     for step in sdsat.steps:
         ids.update(step.drafts)
         ids.update(step.predictions)
+        ids.update(step.tree_tokens)  # the draft tree's candidates, drawn in the explorer
     vocab = dict(zip(sorted(ids), pieces_of_each(engine, sorted(ids))))
     special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
     return RaceRecord(
