@@ -310,6 +310,10 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
     history = list(prompt_ids)  # every token so far, where prompt lookup searches
     tree_candidates = 0 if chooser.config.do_sample else config.tree_candidates  # greedy walks a tree only
     prefill_seconds = 0.0
+
+    def copies_after(text: list[int], room: int) -> list[int]:
+        return _lookup(text, config.lookup_ngram, min(config.lookup_tokens, room)) if room > 0 else []
+
     with torch.inference_mode():
         while True:
             k = k_policy.next_k()
@@ -318,10 +322,6 @@ def _sdsat(sat_model: SatModel, tokenizer, prompt_ids, config, eos_ids, should_s
             # Copies beyond what may still be emitted (the bonus included) would be verified for nothing,
             # and could run past the model's context, which check_context sized for k drafts.
             room = config.max_new_tokens - (len(history) - len(prompt_ids)) - 1
-
-            def copies_after(text: list[int], room: int) -> list[int]:
-                return _lookup(text, config.lookup_ngram, min(config.lookup_tokens, room)) if room > 0 else []
-
             copies = copies_after(history, room) if config.lookup_tokens and drafts is None and len(pending) == 1 else []
             t0 = clock.now()
             if copies:

@@ -48,15 +48,19 @@ class DraftTree:
                 raise ValueError(f"tree path {path} needs its parent listed before it, once")
             seen.add(path)
 
-    @property
-    def depth(self) -> int:
-        return max(map(len, self.paths))
-
     @functools.cached_property
     def parents(self) -> list[int]:
         """Per node, its parent's node index, or -1 for children of t."""
         index = {p: i for i, p in enumerate(self.paths)}
         return [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
+
+    @functools.cached_property
+    def children(self) -> dict[int, list[int]]:
+        """Per node index (-1 for t), its children's node indices in listed order."""
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(i)
+        return children
 
     def candidates(self, q: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """q (depth, V) -> the node tokens (n,): node (r_1..r_j) takes the r_j-th most likely token of q_j."""
@@ -89,9 +93,7 @@ class DraftTree:
         Returns the accepted nodes (a path from t) and the path shown for them: the accepted nodes, then
         the first-listed child at each level below, down to a leaf (the draft the model turned down first).
         """
-        children: dict[int, list[int]] = {}
-        for i, parent in enumerate(self.parents):
-            children.setdefault(parent, []).append(i)
+        children = self.children
         accepted, node = [], -1
         while True:
             want = predictions[node + 1]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from transformers import GenerationConfig
@@ -32,19 +32,23 @@ from ..engine import Engine
 from ..sampling import SamplingConfig
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
-# Each benchmark scheme: the decoder's scheme, prompt lookup on, draft tree on.
-_SCHEME_PARTS = {"two_step": ("two_step", False, False), "fused": ("fused", False, False),
-                 "lookup": ("two_step", True, False), "tree": ("two_step", False, True),
-                 "lookup_tree": ("two_step", True, True)}
+class _Scheme(NamedTuple):
+    decoder: str  # DecodeConfig.scheme
+    lookup: bool  # prompt lookup on
+    tree: bool  # draft tree on
+    suffix: str  # what labels append
+
+
+_SCHEME_PARTS = {"two_step": _Scheme("two_step", False, False, ""), "fused": _Scheme("fused", False, False, "fused"),
+                 "lookup": _Scheme("two_step", True, False, "+lookup"), "tree": _Scheme("two_step", False, True, "+tree"),
+                 "lookup_tree": _Scheme("two_step", True, True, "+lookup+tree")}
 BENCH_SCHEMES = tuple(_SCHEME_PARTS)
-_SCHEME_SUFFIX = {"two_step": [], "fused": ["fused"], "lookup": ["+lookup"], "tree": ["+tree"],
-                  "lookup_tree": ["+lookup+tree"]}
 
 
 def _without_tree(scheme: str) -> str:
     """What sampling runs for a scheme: trees are greedy only, so a tree scheme samples as its chain."""
-    decoder, lookup, _ = _SCHEME_PARTS[scheme]
-    return "lookup" if lookup else decoder
+    parts = _SCHEME_PARTS[scheme]
+    return "lookup" if parts.lookup else parts.decoder
 SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
 METHODS = GREEDY_METHODS + SAMPLE_METHODS
 
@@ -70,7 +74,8 @@ class Variant:
 def label_of(method: str, k: int, temperature: float | None, scheme: str = "two_step") -> str:
     """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2" or "sdsat_greedy k=3 fused"."""
     parts = [method] + ([f"k={k}"] if k else []) + ([f"T={temperature:g}"] if temperature is not None else [])
-    return " ".join(parts + _SCHEME_SUFFIX[scheme])
+    suffix = _SCHEME_PARTS[scheme].suffix
+    return " ".join(parts + ([suffix] if suffix else []))
 
 
 def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
@@ -85,7 +90,7 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
     if not schemes or any(s not in BENCH_SCHEMES for s in schemes):
         raise ValueError(f"schemes must be among {', '.join(BENCH_SCHEMES)}, got {list(schemes)}")
-    if any(_SCHEME_PARTS[s][2] for s in schemes) and not 1 <= tree_candidates <= MAX_TREE_CANDIDATES:
+    if any(_SCHEME_PARTS[s].tree for s in schemes) and not 1 <= tree_candidates <= MAX_TREE_CANDIDATES:
         raise ValueError(f"--tree-candidates must be between 1 and {MAX_TREE_CANDIDATES} for the tree schemes, "
                          f"got {tree_candidates}")
     if any(not t > 0 for t in temperatures):
@@ -166,7 +171,7 @@ def run_variant(engine: Engine, variant: Variant, prompt_ids: list[int], max_new
     sampling = SamplingConfig()
     if not variant.greedy:
         sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
-    decoder, lookup, tree = _SCHEME_PARTS[variant.scheme]
+    decoder, lookup, tree, _ = _SCHEME_PARTS[variant.scheme]
     config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
                           k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling, scheme=decoder,
                           lookup_tokens=lookup_tokens if lookup else 0, lookup_ngram=lookup_ngram,
