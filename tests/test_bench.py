@@ -253,6 +253,8 @@ def test_summary_metrics_and_loud_mismatch():
     assert sdsat["median_speedup"] == pytest.approx(1.75)  # median of 3.0 and 0.5
     # Overall: 5 tokens in 0.1 + 0.2 s against vanilla's 5 tokens in 0.3 + 0.1 s.
     assert sdsat["overall_speedup"] == pytest.approx((5 / 0.3) / (5 / 0.4))
+    # Spec-Bench's ratio of mean tokens/s: (30 + 10) / 2 over (10 + 20) / 2; each of the three differs.
+    assert sdsat["spec_bench_speedup"] == pytest.approx(40 / 30)
     assert sdsat["acceptance_by_position"] == pytest.approx([2 / 4, 1 / 4])
     assert sdsat["identical_to_vanilla"] == 1 and sdsat["compared_to_vanilla"] == 2
     assert summary["greedy_mismatches"] == [{"prompt_index": 1, "repeat": 0, "label": "sdsat_greedy k=2",

@@ -7,7 +7,9 @@ exactly as the CLI summarised the live run.
   speed-up                 per prompt, tokens/s of the method / tokens/s of `vanilla`; median over prompts
                            (SDSAT rows also against prompt_lookup, and sdsat_sample against vanilla_sample)
   overall speed-up         all new tokens / all seconds, over vanilla's on the same prompts: the suite's
-                           throughput, where long generations weigh more (as Spec-Bench reports it)
+                           throughput, where long generations weigh more
+  Spec-Bench speed-up      mean over prompts of tokens/s, over vanilla's mean on the same prompts (the
+                           ratio Spec-Bench's evaluation/speed.py prints)
   tokens per forward pass  all new tokens / all forward passes (vanilla = 1.0)
   mean tokens / iteration  new tokens per iteration, the bonus token counted (vLLM's mean accepted length)
   acceptance by position   of the iterations that drafted position i, the share that accepted draft i
@@ -41,6 +43,11 @@ def _throughput(runs: list[dict], prompts: set[int]) -> float | None:
     picked = [r for r in runs if r["prompt_index"] in prompts]
     seconds = sum(r["seconds"] for r in picked)
     return sum(r["new_tokens"] for r in picked) / seconds if seconds > 0 else None
+
+
+def _mean_ratio(tps: dict[int, float], base: dict[int, float], prompts: set[int]) -> float | None:
+    base_mean = statistics.fmean(base[p] for p in prompts) if prompts else 0.0
+    return statistics.fmean(tps[p] for p in prompts) / base_mean if base_mean > 0 else None
 
 
 def _acceptance(runs: list[dict]) -> tuple[list[int], list[int]]:
@@ -97,6 +104,7 @@ def summarize(runs: list[dict]) -> dict:
             "min_speedup": min(speedups) if speedups else None,
             "max_speedup": max(speedups) if speedups else None,
             "overall_speedup": mine / base if mine and base else None,
+            "spec_bench_speedup": _mean_ratio(tps, vanilla_tps, shared),
             "tokens_per_forward_pass": tokens / passes if passes else None,
             "mean_tokens_per_iteration": sum(r["new_tokens"] for r in stepped) / iterations if iterations else None,
             "acceptance_by_position": [a / d for a, d in zip(accepted, drafted)],

@@ -31,14 +31,15 @@ def markdown_table(payload: dict) -> str:
         f"{_load(machine.get('load_average_at_start'))} at start, {_load(machine.get('load_average_at_end'))} at end; "
         f"{meta['date']}.",
         "",
-        "| method | tokens/s (median) | speed-up vs vanilla (median, min–max; overall) | tokens / forward pass "
+        "| method | tokens/s (median) | speed-up vs vanilla (median, min–max; overall; Spec-Bench) | tokens / forward pass "
         "| mean tokens / iteration (bonus counted) | acceptance by draft position 1.. | identical to vanilla | HumanEval pass@1 |",
         "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for row in summary["variants"]:
         speedup = "–" if row["median_speedup"] is None else (
             f"{row['median_speedup']:.2f}× ({row['min_speedup']:.2f}–{row['max_speedup']:.2f}"
-            + (f"; overall {row['overall_speedup']:.2f}×)" if row.get("overall_speedup") else ")"))
+            + (f"; overall {row['overall_speedup']:.2f}×" if row.get("overall_speedup") else "")
+            + (f"; Spec-Bench {row['spec_bench_speedup']:.2f}×)" if row.get("spec_bench_speedup") else ")"))
         if row.get("median_speedup_vs_prompt_lookup") is not None:
             speedup += f"; {row['median_speedup_vs_prompt_lookup']:.2f}× vs prompt_lookup"
         if "median_speedup_vs_vanilla_sample" in row and row["median_speedup_vs_vanilla_sample"] is not None:
@@ -88,7 +89,8 @@ def notes(payload: dict) -> list[str]:
         out.append(f"- HumanEval pass@1 (one greedy sample per problem, run in a subprocess with a "
                    f"{p1['timeout_seconds']:g} s timeout): {same}. Sampled rows use one sample per problem.")
     out.append("- Speed-up: tokens/s of the method ÷ tokens/s of vanilla on the same prompt in the same run, "
-               "median over prompts. Tokens per forward pass: new tokens ÷ forward passes of the model "
+               "median over prompts; overall: all new tokens ÷ all seconds, against vanilla's on the same prompts; "
+               "Spec-Bench: mean tokens/s over prompts ÷ vanilla's mean (Spec-Bench's speed-up ratio). Tokens per forward pass: new tokens ÷ forward passes of the model "
                "(vanilla = 1.0). Acceptance by position i: share of the iterations drafting position i that accepted it.")
     out.append(f"- Command: `{payload['meta']['command']}`")
     return out
@@ -105,6 +107,7 @@ def summary_rows(payload: dict) -> dict:
             "tokens/s": row["median_tokens_per_second"],
             "speed-up vs vanilla (median)": row["median_speedup"],
             "overall speed-up vs vanilla": row.get("overall_speedup"),
+            "Spec-Bench speed-up vs vanilla": row.get("spec_bench_speedup"),
             "speed-up vs prompt_lookup": row.get("median_speedup_vs_prompt_lookup"),
             "tokens / forward pass": row["tokens_per_forward_pass"],
             "tokens / iteration (bonus counted)": row["mean_tokens_per_iteration"],

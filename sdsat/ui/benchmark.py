@@ -5,8 +5,8 @@ an object with a "rows" / "results" list; its other fields, such as machine, mod
 shown under the table), every `NAME.png` as an image, every standalone plotly `NAME.html` without a
 PNG twin as an embedded, sandboxed frame, and every plotly figure saved as `NAME.json` (an object
 with "data" and "layout") as a native plot. `results.md` and other tables are offered for download.
-A sub-folder with its own summary.json (`assets/bench/chat/`, `assets/bench/humaneval-256/`) is a further
-suite, shown after the first.
+A sub-folder with its own summary.json (`assets/bench/humaneval-164/`, `chat/`, `humaneval-256/`) is a
+further suite, shown under its own heading in the order of SUITES.
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ def load_bench(folder: Path = BENCH_DIR) -> BenchView:
     return view
 
 
-SUITES = {"": "HumanEval (code completion)", "chat": "Chat prompts (assets/prompts/chat.jsonl)",
-          "humaneval-256": "HumanEval, 256 new tokens (the fastest settings only)"}
+SUITES = {"humaneval-164": "HumanEval, all 164 problems (the fastest settings)",
+          "": "HumanEval problems 0–15 (every method)", "chat": "Chat prompts (assets/prompts/chat.jsonl)",
+          "humaneval-256": "HumanEval problems 0–15, 256 new tokens (the fastest settings)"}
 
 
 def load_suites(folder: Path = BENCH_DIR, suites: dict[str, str] = SUITES) -> BenchView:
