@@ -282,5 +282,5 @@ def test_benchmark_tab_shows_each_suite_under_its_heading(tmp_path):
     (tmp_path / "humaneval-164" / "summary.json").write_text(json.dumps({"rows": [{"method": "prompt_lookup"}]}))
     html = benchmark.load_suites(tmp_path).html
     assert (html.index("all 164 problems") < html.index("prompt_lookup") < html.index("problems 0–15")
-            < html.index("vanilla") < html.index("Chat prompts") < html.index("sdsat_greedy"))
+            < html.index("vanilla") < html.index("Chat prompts 1–6") < html.index("sdsat_greedy"))
     assert benchmark.load_suites(tmp_path).images == [str(tmp_path / "chat" / "speedup.png")]

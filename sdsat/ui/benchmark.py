@@ -5,8 +5,8 @@ an object with a "rows" / "results" list; its other fields, such as machine, mod
 shown under the table), every `NAME.png` as an image, every standalone plotly `NAME.html` without a
 PNG twin as an embedded, sandboxed frame, and every plotly figure saved as `NAME.json` (an object
 with "data" and "layout") as a native plot. `results.md` and other tables are offered for download.
-A sub-folder with its own summary.json (`assets/bench/humaneval-164/`, `chat/`, `humaneval-256/`) is a
-further suite, shown under its own heading in the order of SUITES.
+A sub-folder with its own summary.json (`assets/bench/humaneval-164/`, `chat/`, `chat-16/`,
+`humaneval-256/`) is a further suite, shown under its own heading in the order of SUITES.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def load_bench(folder: Path = BENCH_DIR) -> BenchView:
 
 
 SUITES = {"humaneval-164": "HumanEval, all 164 problems (the fastest settings)",
-          "": "HumanEval problems 0–15 (every method)", "chat": "Chat prompts (assets/prompts/chat.jsonl)",
+          "": "HumanEval problems 0–15 (every method)", "chat": "Chat prompts 1–6 (every method)",
+          "chat-16": "Chat prompts, all 16 (the fastest settings)",
           "humaneval-256": "HumanEval problems 0–15, 256 new tokens (the fastest settings)"}
 
 
