@@ -25,7 +25,7 @@ from sdsat.ui.style import LAUNCH
 ASSETS = Path(__file__).resolve().parent / "assets"
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
 HOW_IT_WORKS = ASSETS / "how_it_works.md"
-MAX_BENCH_PLOTS = 12  # three suites of three figures, and room
+MAX_BENCH_PLOTS = 12  # plotly figures saved as JSON (the shipped suites show PNGs); more are not drawn
 
 limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors

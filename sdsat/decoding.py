@@ -451,11 +451,11 @@ def _tree_pass(sat_model: SatModel, chooser: TokenChooser, cache, t: int, q: tor
                                attention_mask=_behind_cache(tree.attention_mask, base, device),
                                position_ids=tree.position_offsets.to(device) + base)[0]
     p = chooser.probs(logits)
-    predictions = p.argmax(-1).tolist()
-    accepted, shown = tree.walk(predictions, tokens.tolist())
+    predictions, node_tokens = p.argmax(-1).tolist(), tokens.tolist()
+    accepted, shown = tree.walk(predictions, node_tokens)
     _keep_rows(cache, base, 1 + len(tokens), [0] + [i + 1 for i in accepted])
     rows = [0] + [i + 1 for i in shown]
-    return p[rows], len(accepted), predictions[rows[len(accepted)]], tokens[shown], [ranks[i] for i in shown], tokens.tolist()
+    return p[rows], len(accepted), predictions[rows[len(accepted)]], tokens[shown], [ranks[i] for i in shown], node_tokens
 
 
 def _behind_cache(mask: torch.Tensor, cached: int, device: torch.device) -> torch.Tensor:

@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                      "temperatures": config.temperatures, "top_p": config.top_p, "seed": config.seed,
                      "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
                      "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,
-                     "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates, "quick": args.quick, "subset": args.subset,
+                     "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates,
+                     "quick": args.quick, "subset": args.subset,
                      "limit": args.limit, "variants": [v.label for v in variants]},
     }
     prompt_ids = encode_prompts(engine, prompts)

@@ -32,6 +32,10 @@ from ..engine import Engine
 from ..sampling import SamplingConfig
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
+SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
+METHODS = GREEDY_METHODS + SAMPLE_METHODS
+
+
 class _Scheme(NamedTuple):
     decoder: str  # DecodeConfig.scheme
     lookup: bool  # prompt lookup on
@@ -49,8 +53,6 @@ def _without_tree(scheme: str) -> str:
     """What sampling runs for a scheme: trees are greedy only, so a tree scheme samples as its chain."""
     parts = _SCHEME_PARTS[scheme]
     return "lookup" if parts.lookup else parts.decoder
-SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
-METHODS = GREEDY_METHODS + SAMPLE_METHODS
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,9 @@ def notes(payload: dict) -> list[str]:
                    f"{p1['timeout_seconds']:g} s timeout): {same}. Sampled rows use one sample per problem.")
     out.append("- Speed-up: tokens/s of the method ÷ tokens/s of vanilla on the same prompt in the same run, "
                "median over prompts; overall: all new tokens ÷ all seconds, against vanilla's on the same prompts; "
-               "Spec-Bench: mean tokens/s over prompts ÷ vanilla's mean (Spec-Bench's speed-up ratio). Tokens per forward pass: new tokens ÷ forward passes of the model "
-               "(vanilla = 1.0). Acceptance by position i: share of the iterations drafting position i that accepted it.")
+               "Spec-Bench: mean tokens/s over prompts ÷ vanilla's mean (Spec-Bench's speed-up ratio). "
+               "Tokens per forward pass: new tokens ÷ forward passes of the model (vanilla = 1.0). "
+               "Acceptance by position i: share of the iterations drafting position i that accepted it.")
     out.append(f"- Command: `{payload['meta']['command']}`")
     return out
 

@@ -151,7 +151,6 @@ def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mod
             top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
             seed=_integer("seed", seed, 0, MAX_SEED),
         )
-    if mode == "sampling":
         tree_candidates = 0  # a draft tree is greedy only: sampling verifies the chain, and the record says so
     return RunRequest(prompt=prompt, model=model, chat=bool(chat), mode=mode, k=k, max_new_tokens=max_new_tokens,
                       sampling=sampling, lookup_tokens=lookup_tokens, tree_candidates=tree_candidates)
