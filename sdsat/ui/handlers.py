@@ -7,6 +7,7 @@ engine cache.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Iterator
@@ -16,12 +17,14 @@ import gradio as gr
 
 from ..decoding import DecodeConfig
 from ..models import ModelLoadError
-from . import explorer, figures
+from . import explorer, figures, zerogpu
 from .headline import headline_html, progress_html
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
-from .render import legend_html, sdsat_html, vanilla_html, waiting_html
+from .render import esc, legend_html, sdsat_html, vanilla_html, waiting_html
 from .settings import Limits, RunRequest, SettingError, check_prompt_ids, check_request
+
+log = logging.getLogger(__name__)
 
 # The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
@@ -36,6 +39,18 @@ class Page:
     def __init__(self, limits: Limits, cache: EngineCache | None = None):
         self.limits = limits
         self.cache = cache or EngineCache(limits)
+        # The GPU work of /race and /generate, booked per call on ZeroGPU (the plain methods elsewhere).
+        self.run_on_gpu = zerogpu.gpu(self.run, limits.gpu_duration_s)
+        self.generate_on_gpu = zerogpu.gpu(self.generate_sync, limits.gpu_duration_s)
+
+    def preload(self) -> None:
+        """Load the first model before the first visitor (warmed up, except on ZeroGPU, where no CUDA work
+        may run outside a GPU call). A failure is logged in one line and the server starts anyway: the
+        page shows why, and the next request tries again."""
+        try:
+            self.cache.get(self.limits.models[0], warm_up=not zerogpu.on_zero_gpu())
+        except ModelLoadError as err:
+            log.error("%s; the page starts anyway and the next request tries again", err)
 
     # -- settings ------------------------------------------------------------------------------
     def _engine(self, model: str):
@@ -44,16 +59,29 @@ class Page:
         except SettingError as err:
             raise gr.Error(str(err), title="Invalid setting") from err
         except ModelLoadError as err:
-            raise gr.Error(f"The model {model!r} could not be loaded: {err}", title="Model unavailable") from err
+            raise gr.Error(f"The model {model!r} could not be loaded: {err}. The next request tries again.",
+                           title="Model unavailable") from err
 
-    def k_slider(self, model: str):
-        """The k slider for `model`: its range is 1..that model's number of SATs."""
+    def model_controls(self, model: str) -> tuple:
+        """The controls that depend on `model`: (k slider, chat checkbox, chat examples), loading it if needed.
+
+        The k range is 1..the model's number of SATs; the chat checkbox and examples show only where
+        the model has a chat template it is meant for.
+        """
         engine = self._engine(model)
-        return gr.Slider(minimum=1, maximum=engine.max_k, step=1, value=min(DecodeConfig.k, engine.max_k))
+        chat = engine.chat_available
+        return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=min(DecodeConfig.k, engine.max_k)),
+                gr.update(visible=chat, value=False), gr.update(visible=chat))
 
-    def k_slider_if_loaded(self, model: str):
-        """On page load: the k range of an already loaded model, without waiting behind running races."""
-        return self.k_slider(model) if self.cache.is_loaded(model) else gr.skip()
+    def model_controls_if_loaded(self, model: str) -> tuple:
+        """On page load: the controls of an already loaded model, without waiting behind running races
+        (or loads); a model whose last load failed says why in the headline."""
+        if self.cache.is_loaded(model):
+            return (*self.model_controls(model), gr.skip())
+        failure = self.cache.failure(model)
+        note = (gr.update(value=f'<div class="check bad">The model could not be loaded: {esc(failure)}. '
+                                'The next race tries again.</div>') if failure else gr.skip())
+        return gr.skip(), gr.skip(), gr.skip(), note
 
     def prepare(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens=0,
                 tree_candidates=0):
@@ -171,8 +199,8 @@ class Page:
         cancel = threading.Event()
         try:
             # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
-            # iteration instead of running on for nobody.
-            return await anyio.to_thread.run_sync(self.generate_sync, prompt, model, chat, mode, k, max_new_tokens,
+            # iteration instead of running on for nobody (on ZeroGPU the GPU task runs on: zerogpu.py).
+            return await anyio.to_thread.run_sync(self.generate_on_gpu, prompt, model, chat, mode, k, max_new_tokens,
                                                   temperature, top_p, top_k, seed, lookup_tokens, tree_candidates, cancel,
                                                   abandon_on_cancel=True)
         finally:

@@ -5,21 +5,31 @@ Only names from the operator's list can be loaded, and never with `trust_remote_
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 from ..decoding import DecodeConfig, run
 from ..engine import Engine
-from ..models import LoadConfig
+from ..models import LoadConfig, ModelLoadError
 from .settings import Limits, SettingError
+
+log = logging.getLogger(__name__)
 
 
 class EngineCache:
-    """Engines keyed by the operator's model names; each loads at most once, then is shared."""
+    """Engines keyed by the operator's model names; each loads at most once, then is shared.
+
+    A model that fails to load is not retried for `limits.load_retry_s` seconds: requests in that
+    window (and those that were waiting for the failed load) get its reason at once instead of
+    queueing behind another slow failure; the first request after it tries again.
+    """
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self._engines: dict[str, Engine] = {}
         self._locks = {name: threading.Lock() for name in limits.models}
+        self._failures: dict[str, tuple[float, ModelLoadError]] = {}  # name -> (when, why) of its last failed load
 
     def add(self, engine: Engine) -> None:
         """Share an engine loaded elsewhere (tests, a start-up script); its name must be on the list."""
@@ -30,22 +40,55 @@ class EngineCache:
     def is_loaded(self, name: str) -> bool:
         return isinstance(name, str) and name in self._engines
 
-    def get(self, name: str) -> Engine:
-        """The engine for `name`, loading and warming it up on first use.
+    def failure(self, name: str) -> str | None:
+        """Why `name` last failed to load, while that failure stands; None otherwise."""
+        recorded = self._failures.get(name) if isinstance(name, str) else None
+        return str(recorded[1]) if recorded else None
+
+    def get(self, name: str, warm_up: bool = True) -> Engine:
+        """The engine for `name`, loading it (and, with `warm_up`, running a few tokens) on first use.
 
         Raises:
             SettingError: `name` is not on the operator's list.
-            ModelLoadError: the operator listed a model that cannot be loaded.
+            ModelLoadError: the operator listed a model that cannot be loaded (now or in the last
+                `load_retry_s` seconds).
         """
         if not isinstance(name, str) or name not in self._locks:  # API callers may send any JSON value
             raise SettingError(f"model must be one of: {', '.join(self.limits.models)} (set by the operator); got {name!r}")
+        if name in self._engines:
+            return self._engines[name]
+        self._raise_recent_failure(name)
         with self._locks[name]:
             if name not in self._engines:
-                config = LoadConfig(model=name, device=self.limits.device, dtype=self.limits.dtype, trust_remote_code=False)
-                engine = Engine.load(config)
-                _warm_up(engine)
-                self._engines[name] = engine
+                self._raise_recent_failure(name)
+                self._engines[name] = self._load(name, warm_up)
         return self._engines[name]
+
+    def _load(self, name: str, warm_up: bool) -> Engine:
+        config = LoadConfig(model=name, device=self.limits.device, dtype=self.limits.dtype,
+                            quantization=self.limits.quantization, trust_remote_code=False)
+        try:
+            engine = Engine.load(config)
+            if warm_up:
+                _warm_up(engine)
+        except (ModelLoadError, ValueError, OSError, RuntimeError, ImportError) as err:
+            error = err if isinstance(err, ModelLoadError) else ModelLoadError(
+                f"cannot load model {name!r}: {_first_line(err)}")
+            self._failures[name] = (time.monotonic(), error)
+            log.warning("%s", error)
+            raise error from err
+        self._failures.pop(name, None)
+        return engine
+
+    def _raise_recent_failure(self, name: str) -> None:
+        recorded = self._failures.get(name)
+        if recorded and time.monotonic() - recorded[0] < self.limits.load_retry_s:
+            raise recorded[1]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _warm_up(engine: Engine) -> None:

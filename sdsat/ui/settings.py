@@ -20,6 +20,7 @@ MODES = ("greedy", "sampling")
 MAX_SEED = 2**31 - 1
 MAX_TEMPERATURE = 5.0
 MAX_TOP_K = 1000
+QUANTIZATIONS = ("none", "4bit", "8bit")
 
 
 class SettingError(ValueError):
@@ -38,7 +39,16 @@ class Limits:
     concurrency: int = 1  # SDSAT_CONCURRENCY: requests decoding at once (one shared model)
     queue_size: int = 32  # SDSAT_QUEUE_SIZE: requests waiting beyond that are turned away (a burst of 20 waits)
     device: str = "auto"  # SDSAT_DEVICE: auto, cpu, cuda or mps
-    dtype: str = "auto"  # SDSAT_DTYPE: auto, float32, float16 or bfloat16
+    dtype: str = "auto"  # SDSAT_DTYPE: auto, float32, float16 or bfloat16 (auto: a known checkpoint's own on a GPU)
+    quantization: str | None = None  # SDSAT_QUANTIZATION: none, 4bit or 8bit (bitsandbytes, CUDA only)
+    load_retry_s: float = 10.0  # SDSAT_LOAD_RETRY_S: after a failed model load, requests get its reason at once
+    # for this long; the first one after it tries again
+
+    @property
+    def gpu_duration_s(self) -> int:
+        """The GPU time a ZeroGPU Space books per request: the request's time limit, plus room to move the
+        weights onto the GPU and to render."""
+        return math.ceil(self.time_limit_s) + 15
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Limits":
@@ -54,6 +64,7 @@ class Limits:
             ("SDSAT_TIME_LIMIT", "time_limit_s", float, 1),
             ("SDSAT_CONCURRENCY", "concurrency", int, 1),
             ("SDSAT_QUEUE_SIZE", "queue_size", int, 1),
+            ("SDSAT_LOAD_RETRY_S", "load_retry_s", float, 0),
         ):
             if name in env:
                 try:
@@ -65,6 +76,10 @@ class Limits:
                 setattr(limits, attr, value)
         limits.device = env.get("SDSAT_DEVICE", limits.device)
         limits.dtype = env.get("SDSAT_DTYPE", limits.dtype)
+        quantization = env.get("SDSAT_QUANTIZATION", "none").strip().lower()
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"SDSAT_QUANTIZATION must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        limits.quantization = None if quantization == "none" else quantization
         return limits
 
 
