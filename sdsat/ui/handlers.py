@@ -7,7 +7,6 @@ engine cache.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Iterator
@@ -23,8 +22,6 @@ from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import esc, legend_html, sdsat_html, vanilla_html, waiting_html
 from .settings import Limits, RunRequest, SettingError, check_prompt_ids, check_request
-
-log = logging.getLogger(__name__)
 
 # The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
@@ -45,22 +42,22 @@ class Page:
 
     def preload(self) -> None:
         """Load the first model before the first visitor (warmed up, except on ZeroGPU, where no CUDA work
-        may run outside a GPU call). A failure is logged in one line and the server starts anyway: the
-        page shows why, and the next request tries again."""
+        may run outside a GPU call). On a failure the server starts anyway: the page shows why, and a
+        later request tries again."""
         try:
             self.cache.get(self.limits.models[0], warm_up=not zerogpu.on_zero_gpu())
-        except ModelLoadError as err:
-            log.error("%s; the page starts anyway and the next request tries again", err)
+        except ModelLoadError:
+            pass  # the cache has logged why and keeps the reason for the page
 
     # -- settings ------------------------------------------------------------------------------
     def _engine(self, model: str):
         try:
             return self.cache.get(model)
         except SettingError as err:
-            raise gr.Error(str(err), title="Invalid setting") from err
+            raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         except ModelLoadError as err:
             raise gr.Error(f"The model {model!r} could not be loaded: {err}. The next request tries again.",
-                           title="Model unavailable") from err
+                           title="Model unavailable", print_exception=False) from err
 
     def model_controls(self, model: str) -> tuple:
         """The controls that depend on `model`: (k slider, chat checkbox, chat examples), loading it if needed.
@@ -95,8 +92,10 @@ class Page:
             request = check_request(self.limits, engine.max_k, **settings)
             prompt_ids = engine.encode(request.prompt, chat=request.chat)
             check_prompt_ids(self.limits, prompt_ids, request, max_context(engine))
+        except gr.Error:  # a ValueError too, already worded for the visitor
+            raise
         except (SettingError, ValueError) as err:
-            raise gr.Error(str(err), title="Invalid setting") from err
+            raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         return engine, request, prompt_ids
 
     # -- the race ------------------------------------------------------------------------------
@@ -197,11 +196,14 @@ class Page:
         outputs were identical; every decoder stops at the operator's limits.
         """
         cancel = threading.Event()
+        # On ZeroGPU the call's arguments are pickled into another process, which an Event cannot reach
+        # (zerogpu.py): there the GPU task runs until it ends.
+        stop = () if zerogpu.on_zero_gpu() else (cancel,)
         try:
             # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
-            # iteration instead of running on for nobody (on ZeroGPU the GPU task runs on: zerogpu.py).
+            # iteration instead of running on for nobody.
             return await anyio.to_thread.run_sync(self.generate_on_gpu, prompt, model, chat, mode, k, max_new_tokens,
-                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates, cancel,
+                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates, *stop,
                                                   abandon_on_cancel=True)
         finally:
             cancel.set()

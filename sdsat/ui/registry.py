@@ -71,11 +71,12 @@ class EngineCache:
             engine = Engine.load(config)
             if warm_up:
                 _warm_up(engine)
-        except (ModelLoadError, ValueError, OSError, RuntimeError, ImportError) as err:
+        except Exception as err:  # whatever breaks a load, the server keeps serving and says why
             error = err if isinstance(err, ModelLoadError) else ModelLoadError(
-                f"cannot load model {name!r}: {_first_line(err)}")
+                f"cannot load model {name!r}: {type(err).__name__}: {_first_line(err)}")
             self._failures[name] = (time.monotonic(), error)
-            log.warning("%s", error)
+            log.warning("%s (the server keeps serving; a request after %g s tries again)", error,
+                        self.limits.load_retry_s, exc_info=not isinstance(err, (ModelLoadError, OSError)))
             raise error from err
         self._failures.pop(name, None)
         return engine
