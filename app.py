@@ -9,11 +9,11 @@ This file only wires components to `sdsat.ui`; operator limits come from environ
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import spaces  # noqa: F401  (first: on ZeroGPU it must patch torch before anything starts CUDA)
 import gradio as gr
 
+from sdsat import ASSETS
 from sdsat.checkpoints import known_checkpoint
 from sdsat.decoding import MAX_TREE_CANDIDATES, DecodeConfig
 from sdsat.ui.benchmark import load_suites
@@ -23,7 +23,6 @@ from sdsat.ui.settings import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, Limits
 from sdsat.ui.style import LAUNCH
 from sdsat.ui.zerogpu import on_zero_gpu
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
 HOW_IT_WORKS = ASSETS / "how_it_works.md"
 MAX_BENCH_PLOTS = 12  # plotly figures saved as JSON (the shipped suites show PNGs); more are not drawn

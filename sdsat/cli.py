@@ -190,10 +190,10 @@ def format_stats(result, sat_trained: bool = True) -> str:
                   f"acceptance by draft position: {positions}"]
         copied = sum(step.draft_source == "lookup" for step in result.steps)
         if copied:
-            at_once = sum(step.draft_source == "lookup" and step.forward_passes == 1 for step in result.steps)
+            at_once = sum(step.kind == "lookup_direct" for step in result.steps)
             lines.append(f"prompt lookup: {copied} of {len(result.steps)} iterations verified copied tokens instead "
                          f"of SAT drafts ({at_once} of them without a draft pass; the lines above count both)")
-        branched = [step for step in result.steps if step.candidates > len(step.draft_ranks) > 0]
+        branched = [step for step in result.steps if step.kind == "tree"]
         if branched:
             taken = sum(any(step.draft_ranks[:step.accepted]) for step in branched)
             most = max(step.candidates for step in branched)  # fewer runner-ups fit when adaptive k is small

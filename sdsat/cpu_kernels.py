@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 import types
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .hardware import cpu_name
 
 # x W^T as F.linear, as (W x^T)^T, through oneDNN, through oneDNN with W stored in its blocked layout
 VARIANTS = ("linear", "weight_left", "onednn", "onednn_packed")
@@ -87,17 +88,6 @@ def _groups(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
         if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             groups.setdefault(tuple(module.weight.shape), []).append(module)
     return groups
-
-
-def cpu_name() -> str:
-    """The processor's model name (what a plan, and every timing, depends on)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_file: Path | None = None) -> KernelPlan:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from . import ASSETS
 from .checkpoints import known_checkpoint
 from .decoding import DecodeConfig, Event, GenerationResult, decode, run
 from .models import DEFAULT_MODEL, LoadConfig, load_model
@@ -19,7 +20,6 @@ from .sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
 
 log = logging.getLogger(__name__)
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_ADAPTER = ASSETS / "adapters" / DEFAULT_MODEL
 # An untrained adapter starts from this token's embedding: SmolLM2's unused `<empty_output>`.
 _INIT_TOKEN = "<empty_output>"

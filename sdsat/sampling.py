@@ -69,6 +69,12 @@ class TokenChooser:
             tokens = probs.argmax(-1)
         return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
 
+    def draw(self, q: torch.Tensor) -> torch.Tensor:
+        """(k, V) draft distributions -> (k,) drafts: sampled when sampling, else each row's top token."""
+        if self.config.do_sample:
+            return torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+        return q.argmax(-1)
+
     def accept(self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
         """Verify drafts against the model; returns (accepted drafts, the model's next token).
 

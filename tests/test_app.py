@@ -90,10 +90,14 @@ HOSTILE = ['<script>alert(1)</script>', ' a < b && c > d', '"quoted" \'single\''
 
 
 def _fake_steps() -> tuple[list[StepRecord], list[str]]:
-    steps = [StepRecord(0, 5, 3, [11, 12, 13], [0.9, 0.5, 0.2], [11, 99, 7, 8], 1, [10, 11, 99],
-                        ["verified", "draft", "bonus"], [0.8, 0.7, 0.6], [0.1, 0.1], 8, 0.2),
-             StepRecord(1, 8, 3, [21, 22, 23], [0.9, 0.9, 0.9], [21, 22, 23, 24], 3, [20, 21, 22, 23, 24],
-                        ["verified", "draft", "draft", "draft", "bonus"], [0.5] * 5, [0.1, 0.1], 13, 0.4)]
+    common = dict(kind="sat", draft_pass=True, k=3, pass_seconds=[0.1, 0.1])
+    steps = [StepRecord(index=0, kv_len_before=5, drafts=[11, 12, 13], draft_probs=[0.9, 0.5, 0.2],
+                        predictions=[11, 99, 7, 8], accepted=1, tokens=[10, 11, 99],
+                        sources=["verified", "draft", "bonus"], probs=[0.8, 0.7, 0.6], kv_len=8, elapsed=0.2, **common),
+             StepRecord(index=1, kv_len_before=8, drafts=[21, 22, 23], draft_probs=[0.9, 0.9, 0.9],
+                        predictions=[21, 22, 23, 24], accepted=3, tokens=[20, 21, 22, 23, 24],
+                        sources=["verified", "draft", "draft", "draft", "bonus"], probs=[0.5] * 5, kv_len=13,
+                        elapsed=0.4, **common)]
     pieces = (HOSTILE + HOSTILE)[:8]
     return steps, pieces
 
@@ -108,8 +112,10 @@ def test_rendered_panes_show_markup_as_text():
     steps, pieces = _fake_steps()
     vocab = {i: "<img src=x onerror=alert(1)>" for i in range(100)}
     for fragment in (sdsat_html(steps, pieces, vocab, show_rejected=True),
-                     vanilla_html([StepRecord(i, 0, 0, [], [], [], 0, [i], ["verified"], [0.5], [0.1], 1, 0.1)
-                                   for i in range(len(HOSTILE))], HOSTILE)):
+                     vanilla_html([StepRecord(index=i, kind="vanilla", kv_len_before=0, draft_pass=False, k=0,
+                                              drafts=[], draft_probs=[], predictions=[], accepted=0, tokens=[i],
+                                              sources=["verified"], probs=[0.5], pass_seconds=[0.1], kv_len=1,
+                                              elapsed=0.1) for i in range(len(HOSTILE))], HOSTILE)):
         parsed = parse_html(fragment)
         assert parsed.tags <= OUR_TAGS, parsed.tags - OUR_TAGS
         text = "".join(parsed.text)

@@ -289,8 +289,6 @@ def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypat
     """The pass-cost probe times plain blocks of each size and draft blocks [t, SAT x k]."""
     import types
 
-    import torch
-
     from conftest import make_tiny_llama
     from sdsat.bench import pass_cost
     from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec

@@ -25,7 +25,9 @@ import torch
 from conftest import make_tiny_llama
 from transformers import DynamicCache
 
-from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, _lookup, _tree_pass, decode, run
+from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, decode, run
+from sdsat.drafters import lookup_continuation
+from sdsat.verify import verify_tree
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from sdsat.tree import MAX_EXTRA as MAX_TREE_CANDIDATES
@@ -140,6 +142,11 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
                        else step.draft_source == "sat" and (scheme == "two_step" or i == 0))
             passes += 2 if drafted else 1
             verified += drafted
+            # The record says so itself: whether a draft pass ran, and what kind of iteration it was.
+            assert step.draft_pass == drafted and step.forward_passes == 1 + drafted
+            assert step.kind == ("fused" if scheme == "fused" else "tree" if step.tree_paths
+                                 else "sat" if step.draft_source == "sat"
+                                 else "lookup_after_draft" if drafted else "lookup_direct")
             head = ["verified"] if drafted else []
             full = head + ["draft"] * step.accepted + ["bonus"]
             # Only the last iteration may be cut short (by EOS, the token budget or a stop string).
@@ -196,16 +203,16 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
 
 
 def test_lookup_copies_after_the_first_occurrence_of_the_longest_recurring_suffix():
-    assert _lookup([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [7, 1, 5]  # the first "5 6"
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3"; a lone "3" does not count
-    assert _lookup([3, 5, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]  # "2 3" beats an earlier "3"
-    assert _lookup([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [9, 3]  # only "3" recurs: the first
-    assert _lookup([9, 4, 7, 9, 4, 7, 9, 4], ngram=2, max_tokens=3) == [7, 9, 4]  # "4 7 9 4" recurs: a full copy
-    assert _lookup([2, 3, 8, 1, 2, 3, 7, 9, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]  # "1 2 3" beats an earlier "2 3"
-    assert _lookup([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], ngram=2, max_tokens=1) == [6]  # 4 tokens recur (the longest tried)
-    assert _lookup([4, 5, 6, 5], ngram=2, max_tokens=4) == []  # "6 5" never occurred ("5" alone did)
-    assert _lookup([7, 7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
-    assert _lookup([3], ngram=2, max_tokens=4) == []  # shorter than the n-gram
+    assert lookup_continuation([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [7, 1, 5]  # the first "5 6"
+    assert lookup_continuation([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3"; a lone "3" does not count
+    assert lookup_continuation([3, 5, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]  # "2 3" beats an earlier "3"
+    assert lookup_continuation([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [9, 3]  # only "3" recurs: the first
+    assert lookup_continuation([9, 4, 7, 9, 4, 7, 9, 4], ngram=2, max_tokens=3) == [7, 9, 4]  # "4 7 9 4" recurs: a full copy
+    assert lookup_continuation([2, 3, 8, 1, 2, 3, 7, 9, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]  # "1 2 3" beats an earlier "2 3"
+    assert lookup_continuation([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], ngram=2, max_tokens=1) == [6]  # 4 tokens recur (the longest tried)
+    assert lookup_continuation([4, 5, 6, 5], ngram=2, max_tokens=4) == []  # "6 5" never occurred ("5" alone did)
+    assert lookup_continuation([7, 7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
+    assert lookup_continuation([3], ngram=2, max_tokens=4) == []  # shorter than the n-gram
 
 
 def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
@@ -225,8 +232,8 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
                 # pass), or else after the draft pass's token (then verified in place of the SAT drafts);
                 # never more than the tokens still to emit, the bonus aside.
                 room = budget - len(emitted) - 1
-                before = _lookup(prompt + emitted, ngram, min(lookup, room)) if room > 0 and step.index else []
-                after = _lookup(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1)) if room > 1 else []
+                before = lookup_continuation(prompt + emitted, ngram, min(lookup, room)) if room > 0 and step.index else []
+                after = lookup_continuation(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1)) if room > 1 else []
                 assert step.forward_passes == (1 if before else 2)
                 if before or after:
                     assert (step.draft_source, step.drafts) == ("lookup", before or after)
@@ -403,11 +410,12 @@ def test_tree_pass_keeps_the_accepted_rows_as_a_plain_pass_would():
         q[0, (nxt + 1) % VOCAB], q[0, nxt] = 0.5, 0.4
         q[1, after] = 0.5
         tree = DraftTree(((0,), (0, 0), (1,), (1, 0)))
-        p, accepted, bonus, shown, ranks, nodes = _tree_pass(sat_model, TokenChooser(SamplingConfig(), torch.device("cpu")),
-                                                      cache, t, q / q.sum(-1, keepdim=True), tree)
-    assert (accepted, shown.tolist(), ranks) == (2, [nxt, after], [1, 0])
+        tokens, ranks = tree.candidates(q / q.sum(-1, keepdim=True))
+        verdict = verify_tree(sat_model, TokenChooser(SamplingConfig(), torch.device("cpu")), cache, t, tokens, tree)
+    assert (verdict.accepted, verdict.shown, [ranks[i] for i in verdict.shown_rows]) == (2, [nxt, after], [1, 0])
+    nodes = verdict.node_tokens
     assert len(nodes) == 4 and nodes[2] == nxt and nodes[3] == after  # (1,) and (1, 0) in the tree's order
-    assert p.shape[0] == 3 and int(p[2].argmax()) == bonus == then
+    assert verdict.p.shape[0] == 3 and int(verdict.p[2].argmax()) == verdict.bonus == then
     assert cache.get_seq_length() == len(prompt) + 3 == ref.get_seq_length()
     for mine, theirs in zip(cache.layers, ref.layers):
         torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
@@ -446,3 +454,39 @@ def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model
                          (dict(tree_candidates=2, scheme="fused"), "tree_candidates works with the two_step scheme only")):
         with pytest.raises(ValueError, match=message):
             run(decode(sat_model, TOKENIZER, [4, 5, 6], replace(greedy("sdsat", 3, 16), **bad), []))
+
+
+class _RandomDrafter:
+    """A drafter that proposes random tokens after a plain verify start: the loop must not care."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.observed: list[int] = []
+
+    def propose(self, ctx):
+        from sdsat.drafters import Proposal, draft_pass
+
+        if len(ctx.pending) > 1:  # the prompt: one draft pass puts it in the cache and gives t
+            t, p_t, q, seconds = draft_pass(ctx, 1)
+            start, certain, certain_probs, draft_seconds = t, [t], [p_t], seconds
+        else:
+            start, certain, certain_probs, draft_seconds = ctx.pending[0], [], [], None
+        drafts = torch.randint(0, self.vocab, (3,), generator=self.gen)
+        return Proposal(kind="lookup_direct" if draft_seconds is None else "sat", start=start, k=3, drafts=drafts,
+                        q=None, certain=certain, certain_probs=certain_probs, draft_pass_seconds=draft_seconds)
+
+    def observe(self, proposal, verdict):
+        self.observed.append(verdict.accepted)
+
+
+def test_any_drafter_behind_the_interface_decodes_exactly_as_vanilla(sat_model: SatModel, monkeypatch):
+    """Verification is what guarantees the output: a drafter that proposes junk changes speed, never tokens."""
+    drafters = []
+    monkeypatch.setattr("sdsat.decoding.drafter_for",
+                        lambda config: drafters.append(_RandomDrafter(VOCAB, len(drafters))) or drafters[-1])
+    for prompt in random_prompts(seed=5, count=3):
+        reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=20), eos_ids=[]))
+        result = run(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", 3, 20), eos_ids=[]))
+        assert result.token_ids == reference.token_ids
+        assert len(drafters[-1].observed) == len(result.steps) - 1  # told the outcome of every iteration but the last

@@ -20,13 +20,13 @@ per forward pass compares `model.generate` with the engine honestly.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
 import torch
 from transformers import GenerationConfig
 
+from .. import timing
 from ..decoding import MAX_TREE_CANDIDATES, DecodeConfig, run
 from ..engine import Engine
 from ..sampling import SamplingConfig
@@ -115,7 +115,7 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
     return variants
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One timed generation; what `--json` writes for every run."""
 
@@ -138,6 +138,7 @@ class Run:
     accepted_per_iteration: list[int] | None  # drafts accepted (bonus not counted)
     scheme: str = "two_step"  # SDSAT methods: the decoding scheme
     passes_per_iteration: list[int] | None = None  # engine methods: forward passes of each iteration
+    kinds_per_iteration: list[str] | None = None  # engine methods: what each iteration was (records.KINDS)
 
     @property
     def tokens_per_forward_pass(self) -> float:
@@ -182,16 +183,20 @@ def run_variant(engine: Engine, variant: Variant, prompt_ids: list[int], max_new
 
 
 def _run_engine(engine: Engine, variant: Variant, prompt_ids, config: DecodeConfig, seed, prompt_index, repeat) -> Run:
+    device = next(engine.model.parameters()).device
     with count_forward_passes(engine.model) as passes:
-        start = time.perf_counter()
+        start = timing.now(device)
         result = run(engine.stream(prompt_ids, config))
-        seconds = _elapsed(engine.model, start)
-    return Run(prompt_index, repeat, variant.method, variant.k, variant.temperature,
-               None if variant.greedy else seed, len(result.token_ids), list(result.token_ids), result.text,
-               seconds, len(result.token_ids) / seconds, passes[0], result.stop_reason,
-               [len(s.tokens) for s in result.steps], [len(s.drafts) for s in result.steps],
-               [s.accepted for s in result.steps], scheme=variant.scheme,
-               passes_per_iteration=[s.forward_passes for s in result.steps])
+        seconds = timing.now(device) - start
+    steps = result.steps
+    return Run(prompt_index=prompt_index, repeat=repeat, method=variant.method, k=variant.k,
+               temperature=variant.temperature, seed=None if variant.greedy else seed,
+               new_tokens=len(result.token_ids), token_ids=list(result.token_ids), text=result.text, seconds=seconds,
+               tokens_per_second=len(result.token_ids) / seconds, forward_passes=passes[0],
+               stop_reason=result.stop_reason, tokens_per_iteration=[len(s.tokens) for s in steps],
+               drafted_per_iteration=[len(s.drafts) for s in steps], accepted_per_iteration=[s.accepted for s in steps],
+               scheme=variant.scheme, passes_per_iteration=[s.forward_passes for s in steps],
+               kinds_per_iteration=[s.kind for s in steps])
 
 
 def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat) -> Run:
@@ -206,23 +211,19 @@ def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, 
         settings.update(prompt_lookup_num_tokens=variant.k, max_matching_ngram_size=lookup_ngram)
     config = GenerationConfig(**settings)
     with count_forward_passes(model) as passes, torch.inference_mode():
-        start = time.perf_counter()
+        start = timing.now(device)
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
-        seconds = _elapsed(model, start)
+        seconds = timing.now(device) - start
     tokens = output[0, len(prompt_ids):].tolist()
     stop = "eos" if tokens and tokens[-1] in engine.eos_ids else "max_new_tokens"
     text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
-    return Run(prompt_index, repeat, variant.method, variant.k, None, None, len(tokens), tokens, text, seconds,
-               len(tokens) / seconds, passes[0], stop, None, None, None)
+    return Run(prompt_index=prompt_index, repeat=repeat, method=variant.method, k=variant.k, temperature=None,
+               seed=None, new_tokens=len(tokens), token_ids=tokens, text=text, seconds=seconds,
+               tokens_per_second=len(tokens) / seconds, forward_passes=passes[0], stop_reason=stop,
+               tokens_per_iteration=None, drafted_per_iteration=None, accepted_per_iteration=None)
 
 
 def _pad_id(engine: Engine) -> int:
     pad = engine.tokenizer.pad_token_id
     return pad if pad is not None else engine.eos_ids[0]
 
-
-def _elapsed(model: torch.nn.Module, start: float) -> float:
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start

@@ -16,13 +16,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from ..decoding import _rollback
+from .. import timing
+from ..kvcache import rollback
 
 
 def measure(engine, sizes: list[int], context: int, repeats: int, seed: int = 0) -> dict:
@@ -49,13 +49,11 @@ def measure_settings(engine, sizes: list[int], context: int, repeats: int, setti
                 for size in table:
                     ids = torch.randint(0, vocab, (1, size if kind == "plain" else size + 1), generator=gen).to(device)
                     slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
-                    start = time.perf_counter()
+                    start = timing.now(device)
                     with torch.inference_mode():
                         sat_model.forward(ids, slots, cache=cache, logits_to_keep=ids.shape[1])
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    table[size].append(time.perf_counter() - start)
-                    _rollback(cache, context)
+                    table[size].append(timing.now(device) - start)
+                    rollback(cache, context)
     return {name: {kind: {size: statistics.median(v[1:]) for size, v in table.items()} for kind, table in kinds.items()}
             for name, kinds in times.items()}
 

@@ -17,7 +17,8 @@ from typing import Iterator
 
 import torch
 
-from ..cpu_kernels import cpu_name, installed_plan
+from ..cpu_kernels import installed_plan
+from ..hardware import describe
 from ..engine import Engine
 from .humaneval import check_completion
 from .methods import GREEDY_METHODS, METHODS, Run, Variant, label_of, run_variant
@@ -113,25 +114,15 @@ def machine_info(engine: Engine) -> dict:
     """The hardware and software every figure depends on."""
     import transformers
 
-    param = next(engine.model.parameters())
     plan = installed_plan(engine.model)
-    info = {
-        "cpu": cpu_name(),
+    return describe(engine.model) | {
         "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)",
-        "cpu_count": os.cpu_count(),
-        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "device": str(param.device),
-        "dtype": str(param.dtype).removeprefix("torch."),
     }
-    if param.device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(param.device)
-    return info
 
 
 def git_commit() -> str | None:

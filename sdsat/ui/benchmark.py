@@ -15,9 +15,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import ASSETS
 from .render import esc
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "assets" / "bench"
+BENCH_DIR = ASSETS / "bench"
 SUMMARY = "summary.json"
 _MAX_FIGURE_BYTES = 5_000_000
 

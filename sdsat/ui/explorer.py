@@ -45,11 +45,11 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
     greedy = record.greedy
     bonus = step.tokens[-1] if step.sources and step.sources[-1] == "bonus" else None
     copied = step.draft_source == "lookup"  # the drafts are prompt lookup's copies, not the SATs'
-    drafted = step.forward_passes == 2  # a draft pass gave t (without one, the copies follow c directly)
+    drafted = step.draft_pass  # a draft pass gave t (without one, the drafts follow c directly)
     d = "l" if copied else "d"  # what the draft columns are called
 
-    passes = (f"draft pass {step.pass_seconds[0] * 1e3:.0f} ms · verify pass {step.pass_seconds[1] * 1e3:.0f} ms"
-              if drafted else f"verify pass {step.pass_seconds[0] * 1e3:.0f} ms")
+    verify = f"verify pass {step.verify_pass_seconds * 1e3:.0f} ms"
+    passes = f"draft pass {step.draft_pass_seconds * 1e3:.0f} ms · {verify}" if drafted else verify
     head = (f'<div class="ex-head"><b>Iteration {index + 1} of {len(steps)}</b> · '
             + (f"{k} tokens copied by prompt lookup" if copied else f"k = {k} adaptive tokens")
             + (f" · the verify pass checked {step.candidates} candidates (a draft tree: the SATs' runner-ups too); "

@@ -47,8 +47,9 @@ def why_html(record: RaceRecord) -> str:
     if not s.steps or not v.steps:
         return ""
     v_ms, s_ms = _mean_pass_ms(v.steps), _mean_pass_ms(s.steps)
-    text = (f"Why: each SDSAT iteration gave {s.mean_tokens_per_iteration:.2f} tokens for 2 forward passes of "
-            f"{s_ms:.0f} ms on average (k + 1 tokens each), against 1 token per {v_ms:.0f} ms pass for vanilla.")
+    passes = s.forward_passes / len(s.steps)
+    text = (f"Why: each SDSAT iteration gave {s.mean_tokens_per_iteration:.2f} tokens for {passes:.2g} forward "
+            f"passes of {s_ms:.0f} ms on average, against 1 token per {v_ms:.0f} ms pass for vanilla.")
     if not record.sat_trained:
         text += " With an untrained adapter almost no draft is accepted, so SDSAT cannot win yet."
     elif record.speedup < 1:

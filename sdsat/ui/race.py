@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .. import hardware
 from ..decoding import GenerationResult, StepRecord
 from ..engine import Engine
 from .render import PieceDecoder, pieces_of
@@ -81,17 +82,7 @@ class RaceRecord:
 
 
 def hardware_line(engine: Engine) -> str:
-    import os
-
-    import torch
-
-    device = engine.sat_model.device
-    dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        where = f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    return f"{where} · {dtype}"
+    return hardware.hardware_line(engine.model)
 
 
 def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_s: float,

@@ -177,8 +177,7 @@ def check_prompt_ids(limits: Limits, prompt_ids: list[int], request: RunRequest,
         raise SettingError(f"prompt must be at most {limits.max_prompt_tokens} tokens, got {len(prompt_ids)}")
     if not prompt_ids:
         raise SettingError("prompt is empty after tokenizing: type some text for the model to continue")
-    room = request.max_new_tokens + request.k + 1  # the last draft block may reach past the output
-    if max_context is not None and len(prompt_ids) + room > max_context:
-        raise SettingError(f"prompt plus max new tokens must fit the model's context of {max_context} tokens; "
-                           f"the prompt has {len(prompt_ids)} tokens, so max new tokens can be at most "
-                           f"{max(max_context - len(prompt_ids) - request.k - 1, 0)}")
+    try:  # the SDSAT decoder's rule: it feeds more positions than vanilla's
+        request.decode_config("sdsat").check_context(len(prompt_ids), max_context)
+    except ValueError as err:
+        raise SettingError(str(err)) from None

@@ -1,0 +1,88 @@
+"""One generation request: `DecodeConfig`, the only place where decoding settings and their ranges are
+checked. The CLI, the page and the benchmark fill it in from named values and call `validate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingConfig
+from .tree import MAX_EXTRA as MAX_TREE_CANDIDATES
+
+METHODS = ("vanilla", "sdsat")
+SCHEMES = ("two_step", "fused")
+MAX_LOOKUP_TOKENS = 64  # the most copies one iteration may verify
+MAX_LOOKUP_NGRAM = 8
+
+
+@dataclass
+class DecodeConfig:
+    """One generation request (fields in this order for positional callers)."""
+
+    method: str = "sdsat"  # "sdsat" (draft-then-verify) or "vanilla" (one token per forward pass)
+    k: int = 3  # adaptive tokens (drafts) per SDSAT step, 1..the SAT spec's max_k
+    max_new_tokens: int = 128  # stop after this many new tokens
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # greedy unless do_sample
+    stop_strings: list[str] = field(default_factory=list)  # stop once the output contains one
+    scheme: str = "two_step"  # SDSAT: "two_step" (the paper: draft pass, then verify pass) or "fused"
+    adaptive_k: bool = False  # SDSAT two_step: shrink / grow k from recent acceptance (k is the upper bound)
+    lookup_tokens: int = 0  # SDSAT two_step: when the last tokens recur, verify up to this many tokens
+    # copied from after that occurrence instead of SAT drafts (prompt lookup, drafters.py); 0: off
+    lookup_ngram: int = 2  # at least this many last tokens must recur (1 is too weak a hint on chat text)
+    tree_candidates: int = 0  # SDSAT two_step, greedy: also verify this many of the SATs' runner-up candidates
+    # (a draft tree, tree.py) in the verify pass; 0: the chain (the paper). Sampling verifies the chain.
+
+    @property
+    def tree_candidates_used(self) -> int:
+        """The runner-ups actually verified: a draft tree is greedy only (under sampling a lossless tree
+        would need multi-draft rejection sampling), so sampling verifies the chain."""
+        return 0 if self.sampling.do_sample else self.tree_candidates
+
+    @property
+    def draft_positions(self) -> int:
+        """Positions past the output that a decoder may feed: vanilla none; SDSAT's last verify pass holds
+        k drafts, and the fused scheme's SAT runs reach 2k past the bonus token."""
+        if self.method == "vanilla":
+            return 0
+        return self.k * (2 if self.scheme == "fused" else 1)
+
+    def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
+        """Raise ValueError naming the first setting out of its range (or a combination that does not work)."""
+        _choice("method", self.method, METHODS)
+        _whole("max_new_tokens", self.max_new_tokens, 1, max_new_tokens_limit)
+        _choice("scheme", self.scheme, SCHEMES)
+        if self.method == "sdsat":
+            if max_k is None:
+                raise ValueError("SDSAT decoding needs a model with adaptive tokens (a SAT spec or adapter)")
+            _whole("k (number of adaptive tokens)", self.k, 1, max_k)
+            _whole("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS, off=True)
+            _whole("tree_candidates", self.tree_candidates, 0, MAX_TREE_CANDIDATES, off=True)
+            _whole("lookup_ngram", self.lookup_ngram, 1, MAX_LOOKUP_NGRAM)
+            for name in ("lookup_tokens", "tree_candidates"):
+                if getattr(self, name) and self.scheme != "two_step":
+                    raise ValueError(f"{name} works with the two_step scheme only")
+        self.sampling.validate()
+
+    def check_context(self, prompt_len: int, max_context: int | None) -> None:
+        """Refuse a request whose positions would run past the model's context (None: no known limit)."""
+        if not isinstance(max_context, int) or max_context <= 0:
+            return
+        drafts = self.draft_positions
+        extra = f" plus k ({drafts} draft positions)" if drafts else ""
+        if prompt_len + drafts >= max_context:
+            raise ValueError(f"the prompt has {prompt_len} tokens{extra}, but the model's context is {max_context} "
+                             "tokens: shorten the prompt")
+        if prompt_len + self.max_new_tokens + drafts > max_context:
+            raise ValueError(f"prompt ({prompt_len} tokens) plus max_new_tokens ({self.max_new_tokens}){extra} must "
+                             f"fit the model's context of {max_context} tokens: max_new_tokens can be at most "
+                             f"{max_context - prompt_len - drafts} for this prompt")
+
+
+def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _whole(name: str, value, low: int, high: int, off: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        low_text = f"{low} (off)" if off else str(low)
+        raise ValueError(f"{name} must be between {low_text} and {high}, got {value!r}")

@@ -1,0 +1,222 @@
+"""Drafters: where the candidates of an SDSAT iteration come from.
+
+Each drafter proposes candidates for the next verify pass (`propose`) and then learns how many were
+accepted (`observe`), as transformers' candidate generators do; the verify loop in decoding.py does
+not care where the candidates came from. A drafter that needs the model's certain next token t first
+runs the draft pass [pending, SAT x k], whose logits at the last pending token give t and at SAT j give
+the draft distribution q_j.
+
+* `SatChain`: the paper's scheme: k SAT drafts, verified as a chain (k may adapt to acceptance).
+* `SatTree`: the same draft pass; the verify pass also checks the SATs' runner-up candidates (tree.py).
+* `PromptLookup`: where the last tokens occurred before, the tokens that followed them there (copies),
+  verified right after the bonus token without a draft pass; otherwise a SAT drafter's draft pass,
+  and the copies after its token t if t completed a recurring n-gram.
+* `Fused`: each verify pass also drafts the next block, so after the first iteration there is no
+  draft pass at all.
+
+A new drafter is one class here plus a line in `drafter_for`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .config import DecodeConfig
+from .kvcache import rollback
+from .sampling import TokenChooser
+from .sat import SatModel
+from .timing import Clock
+from .tree import DraftTree
+from .verify import Verdict
+
+# Prompt lookup prefers the longest recurring suffix up to this many tokens: a longer match is a more
+# specific hint of what follows.
+LOOKUP_LONGEST_NGRAM = 4
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read and use for one iteration."""
+
+    sat_model: SatModel
+    chooser: TokenChooser
+    cache: object  # the decoder's DynamicCache: a draft pass leaves the pending tokens in it, the SATs not
+    pending: list[int]  # tokens not yet in the cache: the prompt, then each bonus token
+    history: list[int]  # every token so far, prompt included
+    room: int  # tokens that may still be emitted after the next one (copies beyond it are verified for nothing)
+    clock: Clock
+
+
+@dataclass(kw_only=True)
+class Proposal:
+    """Candidates for one verify pass."""
+
+    kind: str  # what the iteration is (records.KINDS)
+    start: int  # the verify pass's first token: t after a draft pass, else the pending bonus token
+    k: int  # the drafts asked for: the draft pass's SATs, or the copies
+    drafts: torch.Tensor  # (n,) the chain's drafts or copies; a tree's every node token
+    q: torch.Tensor | None  # (n or depth, V) what the drafts were drawn from; None for copies (all mass on each)
+    ranks: list[int] = field(default_factory=list)  # greedy SAT drafts: each one's rank in its q (a tree's nodes)
+    tree: DraftTree | None = None  # verify as a tree (greedy only)
+    draft_next: int = 0  # fused: the verify pass also drafts this many tokens for the next iteration
+    certain: list[int] = field(default_factory=list)  # [t] after a draft pass: emitted before the verified ones
+    certain_probs: list[float] = field(default_factory=list)
+    draft_pass_seconds: float | None = None  # None: no draft pass ran
+
+    @property
+    def is_copy(self) -> bool:
+        return self.kind.startswith("lookup")
+
+
+class Drafter(Protocol):
+    def propose(self, ctx: DraftContext) -> Proposal: ...
+
+    def observe(self, proposal: Proposal, verdict: Verdict) -> None: ...
+
+
+def draft_pass(ctx: DraftContext, k: int) -> tuple[int, float, torch.Tensor, float]:
+    """Feed [pending, SAT x k]: returns t, p(t), q (k, V) and the pass's seconds. The pending tokens stay
+    in the cache, the SATs leave it."""
+    sat_model, cache = ctx.sat_model, ctx.cache
+    start, device = ctx.clock.now(), sat_model.device
+    kv_before, n = cache.get_seq_length(), len(ctx.pending)
+    ids = torch.tensor([ctx.pending + [0] * k], device=device)
+    slots = torch.cat([torch.full((n,), -1, device=device), sat_model.sat_block(k)])[None]
+    logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=k + 1)[0]  # (1 + k, V)
+    rollback(cache, kv_before + n)
+    t, p_t = ctx.chooser.choose(logits[:1])
+    q = ctx.chooser.probs(logits[1:])  # q_i: the SAT's distribution for draft i
+    return int(t[0]), float(p_t[0]), q, ctx.clock.now() - start
+
+
+class SatChain:
+    """k SAT drafts verified as a chain; k adapts to recent acceptance when `adaptive` (k is its bound)."""
+
+    kind = "sat"
+
+    def __init__(self, k: int, adaptive: bool = False):
+        self.k_max, self.k, self.adaptive = k, k, adaptive
+        self.recent = float(k)  # exponential average of accepted drafts
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        t, p_t, q, seconds = draft_pass(ctx, self.k)
+        proposal = self._candidates(ctx, t, q)
+        proposal.certain, proposal.certain_probs, proposal.draft_pass_seconds = [t], [p_t], seconds
+        return proposal
+
+    def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor) -> Proposal:
+        drafts = ctx.chooser.draw(q)
+        ranks = [] if ctx.chooser.config.do_sample else [0] * len(drafts)
+        return Proposal(kind=self.kind, start=t, k=self.k, drafts=drafts, q=q, ranks=ranks)
+
+    def observe(self, proposal: Proposal, verdict: Verdict) -> None:
+        if self.adaptive and not proposal.is_copy:
+            self.recent = 0.7 * self.recent + 0.3 * verdict.accepted
+            self.k = max(1, min(self.k_max, round(self.recent) + 2))
+
+
+class SatTree(SatChain):
+    """The chain's draft pass; the verify pass also checks `extra` runner-up candidates (greedy only)."""
+
+    kind = "tree"
+
+    def __init__(self, k: int, extra: int, adaptive: bool = False):
+        super().__init__(k, adaptive)
+        self.extra = extra
+
+    def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor) -> Proposal:
+        tree = DraftTree.for_k(len(q), self.extra)
+        tokens, ranks = tree.candidates(q)
+        return Proposal(kind=self.kind, start=t, k=self.k, drafts=tokens, q=q, ranks=ranks, tree=tree)
+
+
+class PromptLookup:
+    """Copies of what followed the last tokens' first earlier occurrence, else `sats`' drafts."""
+
+    def __init__(self, sats: SatChain, max_tokens: int, ngram: int):
+        self.sats, self.max_tokens, self.ngram = sats, max_tokens, ngram
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        # The bonus token may complete a recurring n-gram: verify its copies at once, without a draft pass.
+        copies = self._copies(ctx.history, ctx.room) if len(ctx.pending) == 1 else []
+        if copies:
+            return self._copy_proposal(ctx, "lookup_direct", ctx.pending[0], copies)
+        proposal = self.sats.propose(ctx)
+        # The draft pass's t may complete one: its copies are then a better bet than the SAT drafts.
+        copies = self._copies(ctx.history + proposal.certain, ctx.room - 1)
+        if not copies:
+            return proposal
+        after = self._copy_proposal(ctx, "lookup_after_draft", proposal.start, copies)
+        after.certain, after.certain_probs = proposal.certain, proposal.certain_probs
+        after.draft_pass_seconds = proposal.draft_pass_seconds
+        return after
+
+    def observe(self, proposal: Proposal, verdict: Verdict) -> None:
+        self.sats.observe(proposal, verdict)
+
+    def _copies(self, history: list[int], room: int) -> list[int]:
+        return lookup_continuation(history, self.ngram, min(self.max_tokens, room)) if room > 0 else []
+
+    @staticmethod
+    def _copy_proposal(ctx: DraftContext, kind: str, start: int, copies: list[int]) -> Proposal:
+        drafts = torch.tensor(copies, device=ctx.sat_model.device)
+        return Proposal(kind=kind, start=start, k=len(copies), drafts=drafts, q=None)  # q: all mass on each copy
+
+
+class Fused:
+    """One draft pass first; then every verify pass also drafts the next k tokens (`verify_chain`)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.next: tuple[torch.Tensor, torch.Tensor] | None = None  # (q, drafts) the last verify pass drafted
+
+    def propose(self, ctx: DraftContext) -> Proposal:
+        if self.next is not None:
+            q, drafts = self.next
+            return Proposal(kind="fused", start=ctx.pending[0], k=self.k, drafts=drafts, q=q, draft_next=self.k,
+                            ranks=self._ranks(ctx, drafts))
+        t, p_t, q, seconds = draft_pass(ctx, self.k)
+        drafts = ctx.chooser.draw(q)
+        return Proposal(kind="fused", start=t, k=self.k, drafts=drafts, q=q, draft_next=self.k,
+                        ranks=self._ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds)
+
+    def observe(self, proposal: Proposal, verdict: Verdict) -> None:
+        self.next = (verdict.next_q, verdict.next_drafts)
+
+    @staticmethod
+    def _ranks(ctx: DraftContext, drafts: torch.Tensor) -> list[int]:
+        return [] if ctx.chooser.config.do_sample else [0] * len(drafts)
+
+
+def drafter_for(config: DecodeConfig) -> Drafter:
+    """The drafter a validated SDSAT config asks for."""
+    if config.scheme == "fused":
+        return Fused(config.k)
+    adaptive = config.adaptive_k
+    tree = config.tree_candidates_used
+    sats = SatTree(config.k, tree, adaptive) if tree else SatChain(config.k, adaptive)
+    return PromptLookup(sats, config.lookup_tokens, config.lookup_ngram) if config.lookup_tokens else sats
+
+
+def lookup_continuation(history: list[int], ngram: int, max_tokens: int) -> list[int]:
+    """Prompt lookup: up to `max_tokens` tokens that followed the first occurrence of the longest recurring
+    suffix of `history` (at least `ngram`, at most max(ngram, LOOKUP_LONGEST_NGRAM) tokens); [] if none.
+
+    The first occurrence, as transformers' prompt lookup takes: in text that repeats with a short period
+    the latest occurrence is followed by only a few tokens before the text ends.
+    """
+    for n in range(max(ngram, LOOKUP_LONGEST_NGRAM), ngram - 1, -1):
+        if len(history) <= n:
+            continue
+        tail, end, start = history[-n:], len(history) - n, -1
+        while True:  # candidates by the first token, found at C speed (this runs twice per iteration)
+            try:
+                start = history.index(tail[0], start + 1, end)
+            except ValueError:
+                break
+            if history[start:start + n] == tail:
+                return history[start + n:start + n + max_tokens]
+    return []
