@@ -39,15 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate one completion and print it with its statistics",
                               description="Generate one completion with SDSAT or vanilla decoding.")
     what = gen.add_argument_group("request")
-    what.add_argument("--prompt", required=True, help="the text to continue, or with --chat the user message")
-    what.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    what.add_argument("--prompt", required=True, metavar="TEXT",
+                      help="required: the text to continue, or with --chat the user message")
+    what.add_argument("--chat", action="store_true",
+                      help="wrap the prompt in the model's chat template (default off: plain completion)")
     what.add_argument("--method", default="sdsat", choices=METHODS, help="decoder (default sdsat)")
     what.add_argument("--k", type=int, help="adaptive tokens (drafts) per SDSAT step, 1..the SATs' largest k "
                       f"(default {DecodeConfig.k}, or that largest k if smaller)")
     what.add_argument("--scheme", default="two_step", choices=SCHEMES,
                       help="SDSAT: two_step (the paper: draft pass, then verify pass) or fused (verify and draft "
                            "the next block in one pass); default two_step")
-    what.add_argument("--adaptive-k", action="store_true", help="SDSAT two_step: adapt k to recent acceptance, up to --k")
+    what.add_argument("--adaptive-k", action="store_true",
+                      help="SDSAT two_step: adapt k to recent acceptance, up to --k (default off: k fixed)")
     what.add_argument("--lookup", type=int, default=0, metavar="N",
                       help="SDSAT two_step: when the last tokens occurred before in the prompt or output, verify up "
                            "to N tokens copied from there (prompt lookup) instead of SAT drafts; 0..64, default 0 (off)")
@@ -55,37 +58,48 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SDSAT two_step, greedy: also verify N of the SATs' runner-up candidates in each verify "
                            f"pass (a draft tree); 0..{MAX_TREE_CANDIDATES}, default 0 (the chain)")
     what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
-                      help=f"stop after this many new tokens (default {DecodeConfig.max_new_tokens})")
+                      metavar="N", help=f"stop after N new tokens (default {DecodeConfig.max_new_tokens})")
     what.add_argument("--stop", action="append", default=[], metavar="STR",
-                      help="stop once the output contains STR (repeatable); the output ends with it")
+                      help="stop once the output contains STR (repeatable); the output ends with it (default: none)")
     sampling = gen.add_argument_group("sampling (greedy unless --sample or --temperature is given)")
-    sampling.add_argument("--sample", action="store_true", help="sample instead of greedy decoding (temperature 1)")
-    sampling.add_argument("--temperature", type=float, help="sample with this temperature (> 0); implies --sample")
-    sampling.add_argument("--top-p", type=float, help="nucleus: keep the most likely tokens up to this mass, in (0, 1]")
-    sampling.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: all)")
-    sampling.add_argument("--seed", type=int, help="seed of the sampler, for repeatable samples")
+    sampling.add_argument("--sample", action="store_true",
+                          help="sample instead of greedy decoding, at temperature 1 (default off: greedy)")
+    sampling.add_argument("--temperature", type=float, metavar="T",
+                          help="sample with temperature T > 0; implies --sample (default 1.0 when sampling)")
+    sampling.add_argument("--top-p", type=float, metavar="P",
+                          help="nucleus: keep the likeliest tokens up to probability mass P in (0, 1] (default 1: all)")
+    sampling.add_argument("--top-k", type=int, metavar="N", help="keep the N most likely tokens (default 0: all)")
+    sampling.add_argument("--seed", type=int, metavar="N",
+                          help="seed of the sampler, for repeatable samples (default: a fresh seed per run)")
     model = gen.add_argument_group("model")
     model.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"hub id or local folder (default: the embedded {DEFAULT_MODEL})")
+                       metavar="ID_OR_DIR", help=f"hub id or local folder (default: the embedded {DEFAULT_MODEL})")
     sats = model.add_mutually_exclusive_group()
     sats.add_argument("--sat-ids", type=int, nargs="+", metavar="ID",
                       help="the paper's kind of SATs: these vocabulary ids (one id may serve every position, "
-                           "e.g. 32011 for the CodeLlama-SDSAT checkpoints)")
-    sats.add_argument("--adapter", metavar="DIR", help="a SAT adapter folder (adapter_config.json + weights)")
+                           "e.g. 32011 for the CodeLlama-SDSAT checkpoints; default: the model's own SATs, the shipped "
+                           "adapter for the default model, else an untrained adapter)")
+    sats.add_argument("--adapter", metavar="DIR",
+                      help="a SAT adapter folder (adapter_config.json + weights; default as for --sat-ids)")
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                       help="weights' dtype (default auto: float32 on CPU, bfloat16 on CUDA)")
-    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="default auto")
-    model.add_argument("--quantization", choices=["4bit", "8bit"], help="bitsandbytes loading (CUDA only)")
+                       help="weights' dtype (default auto: float32 on a CPU; on a GPU a known checkpoint's own, "
+                            "else bfloat16)")
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                       help="where the model runs (default auto: cuda if available, else mps, else cpu)")
+    model.add_argument("--quantization", choices=["4bit", "8bit"],
+                       help="bitsandbytes loading, CUDA only (default: none)")
     model.add_argument("--no-cpu-kernels", action="store_true",
                        help="on a CPU, multiply with nn.Linear as is, not with the fastest "
-                       "measured kernel per row count (cpu_kernels.py)")
-    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a busy "
+                       "measured kernel per row count (cpu_kernels.py; default off: routed)")
+    model.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice; on a busy "
                        "machine 1 can be much faster)")
     model.add_argument("--trust-remote-code", action="store_true",
-                       help="run the model repository's own Python code (only for repositories you trust)")
+                       help="run the model repository's own Python code, only for repositories you trust (default off)")
     out = gen.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print one JSON object instead of text and statistics")
-    out.add_argument("--verbose", action="store_true", help="show library logs and progress bars on stderr")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON object instead of text and statistics (default off)")
+    out.add_argument("--verbose", action="store_true",
+                     help="show library logs and progress bars on stderr (default off)")
     return parser
 
 

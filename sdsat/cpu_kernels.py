@@ -2,10 +2,10 @@
 
 A decoder multiplies every weight matrix by 1 row (vanilla), or by a handful of rows (speculative
 passes). On CPUs the BLAS kernel that `nn.Linear` reaches for a few rows can be far from the best:
-measured here (2-core AMD EPYC, MKL, SmolLM2-135M), the products of a whole pass took 43 ms for 1 row
-and 60 ms for 4 through `nn.Linear`, but 25 ms and 20 ms through oneDNN with each weight stored in the
-blocked layout oneDNN prefers (MKL takes a slow path on AMD processors; oneDNN dispatches on the
-instruction set). Which form wins depends on the matrix shape, the row count and the machine, so
+MKL may take a generic path on processors it does not recognise (AMD's among them), while oneDNN
+dispatches on the instruction set, and a weight stored once in oneDNN's blocked layout is not
+repacked on every call (figures per machine: docs/architecture.md, "CPU kernels"). Which form wins
+depends on the matrix shape, the row count and the machine, so
 `tune` times the equivalent forms for every distinct weight shape and row count 1..max_rows on the
 model's own weights (cycling through all layers, so the weights come from memory as in a real pass),
 and `install` routes each product to the fastest. Results agree with `nn.Linear` to float rounding;
@@ -93,8 +93,9 @@ def _groups(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
 def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_file: Path | None = None) -> KernelPlan:
     """Time every variant for each weight shape and row count on `model`'s float32 CPU weights.
 
-    About 13 s for SmolLM2-135M on 2 cores; the plan is kept for the process and, with `cache_file`,
-    on disk under a key of the machine, torch, thread count and layer shapes.
+    Timing every shape at every row count takes seconds, too long to repeat at each start, so the plan
+    is kept for the process and, with `cache_file`, on disk under a key of the machine, torch, thread
+    count and layer shapes.
     """
     groups = _groups(model)
     key = json.dumps([_PLAN_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), max_rows,

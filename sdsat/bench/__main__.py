@@ -29,54 +29,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     source = parser.add_argument_group("prompts")
     source.add_argument("--prompts", metavar="FILE", help='JSON lines {"prompt": ..., "kind": "completion"|"chat"}; '
                         "default: HumanEval")
-    source.add_argument("--subset", help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive)')
-    source.add_argument("--limit", type=int, help="at most this many prompts (after --subset)")
+    source.add_argument("--subset", metavar="SPEC",
+                        help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive; default: all)')
+    source.add_argument("--limit", type=int, metavar="N",
+                        help="at most N prompts, after --subset (default: all; 3 with --quick)")
     what = parser.add_argument_group("methods")
     what.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
                       help=f"any of {', '.join(METHODS)} (default: all)")
-    what.add_argument("--k", nargs="+", type=int, help="sdsat_greedy's k sweep (default: 1..the SATs' max k)")
+    what.add_argument("--k", nargs="+", type=int, metavar="K",
+                      help="sdsat_greedy's k sweep, drafts per step (default: 1..the SATs' max k; 1 2 4 with --quick)")
     what.add_argument("--schemes", nargs="+", default=["two_step"], metavar="SCHEME",
                       help="SDSAT schemes to race: two_step (the paper), fused, lookup (two_step with "
                            "prompt lookup's copies, --lookup-tokens of them, verified when found), tree (two_step "
                            "whose verify pass also checks --tree-candidates of the SATs' runner-ups; greedy only) "
                            "and/or lookup_tree (both) (default two_step)")
-    what.add_argument("--sample-k", type=int, help="sdsat_sample's k (default 4, capped at the max k)")
-    what.add_argument("--temperatures", nargs="+", type=float, help="sampling temperatures (default 0.2 1.0)")
-    what.add_argument("--top-p", type=float, default=1.0, help="nucleus for sampling (default 1: off)")
-    what.add_argument("--seed", type=int, default=0, help="sampling seed base (default 0)")
-    what.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
-    what.add_argument("--lookup-ngram", type=int, default=2,
+    what.add_argument("--sample-k", type=int, metavar="K",
+                      help="sdsat_sample's k, drafts per step (default 4, capped at the max k; 2 with --quick)")
+    what.add_argument("--temperatures", nargs="+", type=float, metavar="T",
+                      help="temperatures of vanilla_sample and sdsat_sample (default 0.2 1.0; 1.0 with --quick)")
+    what.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                      help="nucleus for sampling: probability mass kept, in (0, 1] (default 1: off)")
+    what.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed base (default 0)")
+    what.add_argument("--lookup-tokens", type=int, default=10, metavar="N",
+                      help="tokens copied per lookup: prompt_lookup_num_tokens and the lookup schemes' (default 10)")
+    what.add_argument("--lookup-ngram", type=int, default=2, metavar="N",
                       help="prompt lookup's max_matching_ngram_size, and the shortest recurring suffix "
-                           "(lookup_ngram) after which the lookup scheme copies (default 2)")
-    what.add_argument("--tree-candidates", type=int, default=2,
+                           "(lookup_ngram) after which the lookup scheme copies, in tokens (default 2)")
+    what.add_argument("--tree-candidates", type=int, default=2, metavar="N",
                       help="the tree schemes' runner-up candidates per verify pass, 1..8 (default 2)")
     how = parser.add_argument_group("measurement")
-    how.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 256)")
-    how.add_argument("--repeats", type=int, help="timed runs per prompt and method (default 1)")
-    how.add_argument("--warmup-tokens", type=int, help="tokens of the untimed warm-up run per method (default 16; 0: none)")
+    how.add_argument("--max-new-tokens", type=int, metavar="N",
+                     help="new tokens per generation (default 256; 32 with --quick)")
+    how.add_argument("--repeats", type=int, metavar="N", help="timed runs per prompt and method (default 1)")
+    how.add_argument("--warmup-tokens", type=int, metavar="N",
+                     help="tokens of the untimed warm-up run per method (default 16, 4 with --quick; 0: none)")
     how.add_argument("--quick", action="store_true",
-                     help="a few minutes on 2 CPU cores: 3 prompts, 32 tokens, k 2 4 6, T 1.0 (explicit options win)")
+                     help="a few minutes on 2 CPU cores: 3 prompts, 32 tokens, k 1 2 4, T 1.0 (explicit options win; "
+                          "default off)")
     how.add_argument("--pass-at-1", action=argparse.BooleanOptionalAction, default=None,
-                     help="score HumanEval pass@1 (default: on for HumanEval)")
-    how.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per HumanEval program (default 10)")
+                     help="score HumanEval pass@1 (default: on for HumanEval, off for a --prompts file)")
+    how.add_argument("--exec-timeout", type=float, default=10.0, metavar="S",
+                     help="wall seconds per HumanEval program run for pass@1 (default 10)")
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--adapter", help="SAT adapter folder (default: the model's own or the shipped one)")
-    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    model.add_argument("--model", default=None, metavar="ID_OR_DIR",
+                       help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--adapter", metavar="DIR",
+                       help="SAT adapter folder (default: the model's own or the shipped one)")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="weights' dtype (default auto: float32 on a CPU; on a GPU a known checkpoint's own, "
+                            "else bfloat16)")
+    model.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
+                       help="where the model runs (default auto: cuda if available, else mps, else cpu)")
     model.add_argument("--no-cpu-kernels", action="store_true",
                        help="on a CPU, multiply with nn.Linear as is, not with the fastest "
-                       "measured kernel per row count (cpu_kernels.py)")
-    model.add_argument("--threads", type=int,
+                       "measured kernel per row count (cpu_kernels.py; default off: routed)")
+    model.add_argument("--threads", type=int, metavar="N",
                        help="torch threads (default: torch's choice); on a busy machine 1 avoids oversubscription")
     out = parser.add_argument_group("output")
-    out.add_argument("--out-dir", default="runs/bench", help="figures, results.md and results.json (default runs/bench)")
+    out.add_argument("--out-dir", default="runs/bench", metavar="DIR",
+                     help="folder for figures, results.md, summary.json and results.json (default runs/bench)")
     out.add_argument("--json", metavar="OUT", help="results JSON path (default OUT_DIR/results.json)")
-    out.add_argument("--no-figures", action="store_true", help="skip the figures")
-    out.add_argument("--no-png", action="store_true", help="HTML figures only")
+    out.add_argument("--no-figures", action="store_true", help="skip the figures (default off: HTML and PNG)")
+    out.add_argument("--no-png", action="store_true", help="HTML figures only (default off: HTML and PNG)")
     out.add_argument("--plotlyjs", default="cdn", choices=["cdn", "directory", "inline"],
                      help="how the HTML figures get plotly.js (default cdn; inline works offline, ~4.6 MB each)")
-    out.add_argument("--quiet", action="store_true", help="no progress bars")
+    out.add_argument("--quiet", action="store_true", help="no progress bars (default off)")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else DEFAULTS
     for name, value in preset.items():

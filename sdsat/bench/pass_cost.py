@@ -86,17 +86,23 @@ def compare_report(results: dict[str, dict], context: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdsat.bench.pass_cost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8, 12, 16], help="block sizes T")
-    parser.add_argument("--context", type=int, default=256, help="tokens already in the KV cache (default 256)")
-    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8, 12, 16], metavar="T",
+                        help="block sizes in new tokens per pass (default 1 2 3 4 6 8 12 16)")
+    parser.add_argument("--context", type=int, default=256, metavar="N",
+                        help="tokens already in the KV cache (default 256)")
+    parser.add_argument("--repeats", type=int, default=15, metavar="N",
+                        help="timed rounds over every size; the median is reported (default 15)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    parser.add_argument("--model", default=None, metavar="ID_OR_DIR",
+                        help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--no-cpu-kernels", action="store_true",
                         help="on a CPU, multiply with nn.Linear as is, not with the fastest "
-                       "measured kernel per row count (cpu_kernels.py)")
+                       "measured kernel per row count (cpu_kernels.py; default off: routed)")
     parser.add_argument("--compare-kernels", action="store_true",
-                        help="measure with the routed CPU kernels and with nn.Linear as is, interleaved round by round")
-    parser.add_argument("--json", metavar="OUT", help="also write the medians and the machine here")
+                        help="measure with the routed CPU kernels and with nn.Linear as is, interleaved round by round "
+                             "(default off)")
+    parser.add_argument("--json", metavar="OUT",
+                        help="also write the medians (seconds) and the machine here (default: none)")
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.context < 1 or args.repeats < 1:
         parser.error("--tokens, --context and --repeats must be at least 1")

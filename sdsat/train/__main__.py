@@ -16,6 +16,42 @@ from pathlib import Path
 from .trainer import TrainConfig, train
 
 
+# One line of help per TrainConfig field; ArgumentDefaultsHelpFormatter appends each default.
+_METAVARS = {int: "N", float: "X", str: "STR"}
+_HELP = {
+    "mode": "adapter (frozen base; SAT embeddings + SAT-only LoRA; lossless) or paper (fine-tune the model)",
+    "model": "base model: the embedded default, a hub id or a local folder",
+    "out": "run folder: corpus, checkpoints, training record, trained SATs (re-running resumes)",
+    "num_sats": "SATs trained = the largest k the decoder may use",
+    "rank": "adapter: LoRA rank of the SAT-only updates (0: SAT embeddings only)",
+    "alpha": "adapter: LoRA scale numerator (the update is scaled by alpha / rank)",
+    "target_modules": "adapter: projection names that get SAT-only LoRA updates",
+    "layers": "adapter: decoder layer indices with updates (None: --inject-layer and above)",
+    "inject_layer": "adapter: decoder layer where the SAT embeddings enter; backprop stops there (0: input)",
+    "sat_token": "paper: the vocabulary token used as SAT (also the adapter's initial embedding)",
+    "paper_lora_rank": "paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank",
+    "target": "adapter: argmax (match the base model's token) or distribution (its full distribution)",
+    "offset_decay": "loss weight of SAT j is decay ** j (1.0: equal weights)",
+    "steps": "optimizer steps in total (a resumed run continues to this step)",
+    "batch_size": "sequences per optimizer step",
+    "seq_len": "standard tokens per training sequence",
+    "runs_per_seq": "SAT runs inserted at random points of each sequence",
+    "lr": "peak learning rate, after warm-up, then cosine decay",
+    "embedding_lr_scale": "adapter: learning-rate multiplier for SAT embeddings that enter above layer 0",
+    "warmup": "warm-up steps (linear rise to --lr)",
+    "seed": "seed of data, SAT layouts and initialisation",
+    "code_files": "standard-library Python files for the raw-code source",
+    "code_prompts": "function signatures + docstrings completed by the base model (self-distillation)",
+    "chat_prompts": "chat instructions answered by the base model (self-distillation)",
+    "distill_tokens": "new tokens per self-distilled completion",
+    "distill_batch": "completions generated at once while building the corpus",
+    "weights": "sampling weight per source, as JSON",
+    "held_out": "sequences per source kept out of training for evaluation",
+    "eval_every": "steps between held-out acceptance evaluations",
+    "checkpoint_every": "steps between checkpoints",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sdsat.train", description=__doc__,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -24,12 +60,13 @@ def _parser() -> argparse.ArgumentParser:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         flag = "--" + f.name.replace("_", "-")
         if f.name == "weights":
-            parser.add_argument(flag, type=json.loads, default=default, help="source weights as JSON")
+            parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=_HELP.get(f.name))
         elif f.name in ("target_modules", "layers"):
-            parser.add_argument(flag, nargs="+", type=str if f.name == "target_modules" else int, default=default)
+            parser.add_argument(flag, nargs="+", type=str if f.name == "target_modules" else int, default=default,
+                                metavar="NAME" if f.name == "target_modules" else "N", help=_HELP.get(f.name))
         else:
             kind = {int: int, float: float, str: str}.get(hints[f.name], str)
-            parser.add_argument(flag, type=kind, default=default)
+            parser.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=_HELP.get(f.name))
     parser.add_argument("--export", metavar="DIR", help="after training, copy the trained SATs and record into DIR")
     return parser
 
