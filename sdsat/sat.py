@@ -90,7 +90,7 @@ class AdapterConfig:
     layers: list[int] | None = None  # decoder layers that get updates; None means inject_layer and above
     inject_layer: int = 0  # the SAT embeddings enter here: 0 is the input; above 0 they are added to the
     # residual stream entering that decoder layer, SAT rows start from a fixed token embedding, and
-    # training backpropagates through the layers from inject_layer up only (much cheaper on a CPU)
+    # training backpropagates through the layers from inject_layer up only (less work per step)
 
 
 class SatAdapter(nn.Module):
@@ -261,8 +261,8 @@ def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[s
 def _add_to_tail(x: torch.Tensor, start: int, delta: torch.Tensor, in_place: bool = True) -> torch.Tensor:
     """x (B, T, D) with delta (B, T - start, D) added to rows start..; the rows before are not touched.
 
-    Only the SAT rows pay for the low-rank update (on a CPU the masked full-block update cost a
-    quarter of a draft pass). In place (into a linear layer's fresh output) unless training.
+    Only the SAT rows pay for the low-rank update (a masked update of the whole block would cost the
+    standard rows too). In place (into a linear layer's fresh output) unless training.
     """
     if not in_place or torch.is_grad_enabled():
         return torch.cat([x[:, :start], x[:, start:] + delta], dim=1)

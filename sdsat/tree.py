@@ -1,9 +1,9 @@
 """Draft trees: verify the SATs' runner-up candidates beside their top drafts, in the same pass.
 
 A SAT drafts a distribution q_j for the token j + 1 places after t; the chain verifies only the top
-token of each. On a CPU a verify pass of up to ~6 tokens costs what one of 4 does (the products are
-bound by overheads, not arithmetic: `python -m sdsat.bench.pass_cost`), so a few more candidates ride
-along for free. A tree is a set of rank paths, as in Medusa: (0, 1) is the SAT's second choice at
+token of each. Where a pass over a few more tokens costs little more (a GPU, and CPUs whose small
+products are bound by overheads rather than arithmetic: measure with `python -m sdsat.bench.pass_cost`),
+a few more candidates ride along almost for free. A tree is a set of rank paths, as in Medusa: (0, 1) is the SAT's second choice at
 depth 2 placed after its first choice at depth 1. Every candidate sees t, its ancestors and itself,
 and stands at its depth. Greedy verification walks down from t, taking the child that equals the
 model's own next token; the result is exactly greedy decoding. Sampling keeps the chain (a tree
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Extra candidates in the order they are added, most likely to be accepted first. Measured on
-# HumanEval 0-15 (runs with prompt lookup, SAT iterations only): the model's next token was the SAT's
-# first choice at depth 1 in 53 % of iterations and its second in another 21 %; at depth 2 (after
-# an accepted depth 1) first 29 %, second 23 %; third choices and deeper branches add a few % each.
+# Extra candidates in the order they are added, most likely to be accepted first: a SAT's second
+# choice near the root is taken far more often than third choices or deeper branches
+# (docs/architecture.md gives the measured shares).
 RUNNER_UPS: tuple[tuple[int, ...], ...] = ((1,), (0, 1), (2,), (1, 0), (0, 0, 1), (3,), (0, 2), (1, 1))
 MAX_EXTRA = len(RUNNER_UPS)
 
