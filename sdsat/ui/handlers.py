@@ -7,6 +7,9 @@ engine cache.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import threading
 import time
 from typing import Iterator
@@ -21,13 +24,58 @@ from .headline import headline_html, progress_html
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import legend_html, sdsat_html, vanilla_html, waiting_html
-from .settings import Limits, RunRequest, SettingError, check_prompt_ids, check_request
+from .settings import Limits, RunRequest, SettingError, check_flag, check_iteration, check_prompt_ids, check_request
+
+log = logging.getLogger(__name__)
 
 # The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
                 "explorer_slider", "explorer", "record", "run_data")
 REPLAY_FPS = 12
 MAX_REPLAY_S = 60.0
+SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
+
+
+def invalid(err: SettingError) -> gr.Error:
+    """A visitor's bad setting, as the visitor sees it; not a server fault, so no traceback in the log."""
+    return gr.Error(str(err), title="Invalid setting", print_exception=False)
+
+
+def visitor_errors(handler):
+    """Whatever goes wrong reaches the visitor as a gr.Error with a message, never as Gradio's bare
+    `{"error": null}`; the details (which may hold server paths) go to the server's log only."""
+    def convert(err: Exception) -> gr.Error:
+        log.exception("%s failed", handler.__name__)
+        return gr.Error(SERVER_ERROR, title="Server error")
+
+    if inspect.isgeneratorfunction(handler):
+        @functools.wraps(handler)
+        def wrapped(*args, **kwargs):
+            try:
+                yield from handler(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:
+                raise convert(err) from None
+    elif inspect.iscoroutinefunction(handler):
+        @functools.wraps(handler)
+        async def wrapped(*args, **kwargs):
+            try:
+                return await handler(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:
+                raise convert(err) from None
+    else:
+        @functools.wraps(handler)
+        def wrapped(*args, **kwargs):
+            try:
+                return handler(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:
+                raise convert(err) from None
+    return wrapped
 
 
 class Page:
@@ -42,15 +90,20 @@ class Page:
         try:
             return self.cache.get(model)
         except SettingError as err:
-            raise gr.Error(str(err), title="Invalid setting") from err
+            raise invalid(err) from err
         except ModelLoadError as err:
-            raise gr.Error(f"The model {model!r} could not be loaded: {err}", title="Model unavailable") from err
+            # The reason names the server's folders: it goes to the log, the visitor gets the model's name.
+            log.error("model %r could not be loaded: %s", model, err)
+            raise gr.Error(f"The model {model!r} could not be loaded; the reason is in the server's log.",
+                           title="Model unavailable") from None
 
+    @visitor_errors
     def k_slider(self, model: str):
         """The k slider for `model`: its range is 1..that model's number of SATs."""
         engine = self._engine(model)
         return gr.Slider(minimum=1, maximum=engine.max_k, step=1, value=min(DecodeConfig.k, engine.max_k))
 
+    @visitor_errors
     def k_slider_if_loaded(self, model: str):
         """On page load: the k range of an already loaded model, without waiting behind running races."""
         return self.k_slider(model) if self.cache.is_loaded(model) else gr.skip()
@@ -65,17 +118,24 @@ class Page:
             check_request(self.limits, None, **settings)
             engine = self._engine(model)
             request = check_request(self.limits, engine.max_k, **settings)
+            if request.chat and not getattr(engine.tokenizer, "chat_template", None):
+                raise SettingError(f"chat must be false for {model}: this model has no chat template")
             prompt_ids = engine.encode(request.prompt, chat=request.chat)
             check_prompt_ids(self.limits, prompt_ids, request, max_context(engine))
-        except (SettingError, ValueError) as err:
-            raise gr.Error(str(err), title="Invalid setting") from err
+        except SettingError as err:  # only our own messages: a ValueError from deeper down may name server paths
+            raise invalid(err) from None
         return engine, request, prompt_ids
 
     # -- the race ------------------------------------------------------------------------------
+    @visitor_errors
     def run(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, show_rejected=False,
             lookup_tokens=0, tree_candidates=0) -> Iterator[tuple]:
         """Race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order."""
         skip = gr.skip()
+        try:
+            show_rejected = check_flag("show rejected drafts", show_rejected)
+        except SettingError as err:
+            raise invalid(err) from None
         if not self.cache.is_loaded(model) and model in self.limits.models:
             yield (progress_html(None, f"Loading {model}… (first start of a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
@@ -117,27 +177,33 @@ class Page:
             record.to_dict(),
         )
 
+    @visitor_errors
     def sdsat_pane(self, record: RaceRecord | None, show_rejected: bool) -> str:
+        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if record is None:
             return waiting_html("Run a prompt to see the SDSAT output here.")
-        return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, bool(show_rejected),
+        return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, show_rejected,
                           record.special_ids)
 
     # -- after a race: explorer and replay -----------------------------------------------------
     @staticmethod
+    @visitor_errors
     def explore(record: RaceRecord | None, iteration) -> str:
         """The explorer at `iteration` (1-based, as the slider shows it)."""
-        return explorer.explorer_html(record, int(iteration or 1) - 1)
+        return explorer.explorer_html(record, _checked(check_iteration, iteration, _iterations(record)) - 1)
 
     @staticmethod
+    @visitor_errors
     def step(record: RaceRecord | None, iteration, delta: int) -> tuple:
         """Move the explorer by `delta` iterations: (slider value, explorer HTML)."""
-        n = len(record.sdsat.steps) if record is not None else 1
-        i = max(1, min(int(iteration or 1) + delta, n))
+        n = _iterations(record)
+        i = max(1, min(_checked(check_iteration, iteration, n) + delta, n))
         return i, explorer.explorer_html(record, i - 1)
 
+    @visitor_errors
     def replay(self, record: RaceRecord | None, show_rejected: bool) -> Iterator[tuple]:
         """Both outputs growing on one clock at their measured speed: (status, vanilla, sdsat)."""
+        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if record is None:
             raise gr.Error("Run a prompt first; the replay shows its recorded timings.", title="Nothing to replay")
         v, s = record.vanilla, record.sdsat
@@ -158,6 +224,7 @@ class Page:
         yield headline_html(record), gr.skip(), gr.skip()
 
     # -- API -------------------------------------------------------------------------------------
+    @visitor_errors
     async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = DecodeConfig.k,
                        max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int = 0, lookup_tokens: int = 0, tree_candidates: int = 0) -> dict:
@@ -193,7 +260,21 @@ class Page:
         finally:
             cancel.set()
             snaps.close()
+        if snap is None or snap.phase != "done":  # cancelled: the race stopped before its SDSAT phase
+            raise gr.Error("The request was cancelled before both decoders ran.", title="Cancelled")
         return make_record(engine, request, prompt_ids, snap).to_dict()
+
+
+def _iterations(record: RaceRecord | None) -> int:
+    return len(record.sdsat.steps) if record is not None else 1
+
+
+def _checked(check, *args):
+    """`check(*args)`, its SettingError shown to the visitor as an invalid setting."""
+    try:
+        return check(*args)
+    except SettingError as err:
+        raise invalid(err) from None
 
 
 def legend() -> str:
