@@ -349,11 +349,12 @@ def test_page_events_parse_their_inputs_strictly(page):
         page.sdsat_pane(None, "0")
     with pytest.raises(gr.Error, match="show rejected drafts must be true or false"):
         next(page.run(**GOOD, show_rejected={"x": 0}))
-    with pytest.raises(gr.Error, match="iteration must be a whole number between 1 and 1"):
+    with pytest.raises(gr.Error, match="iteration must be a whole number between 1 and 100000"):
         page.explore(None, "abc")
     with pytest.raises(gr.Error, match="iteration must be"):
         page.step(None, [1], +1)
     assert page.step(None, 1, +1)[0] == 1
+    assert "Run a prompt" in page.explore(None, 7)  # a slider left from a race whose state has expired
 
 
 def test_time_limit_stops_each_decoder(page, default_engine):

@@ -132,10 +132,7 @@ class Page:
             lookup_tokens=0, tree_candidates=0) -> Iterator[tuple]:
         """Race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order."""
         skip = gr.skip()
-        try:
-            show_rejected = check_flag("show rejected drafts", show_rejected)
-        except SettingError as err:
-            raise invalid(err) from None
+        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if not self.cache.is_loaded(model) and model in self.limits.models:
             yield (progress_html(None, f"Loading {model}… (first start of a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
@@ -190,14 +187,14 @@ class Page:
     @visitor_errors
     def explore(record: RaceRecord | None, iteration) -> str:
         """The explorer at `iteration` (1-based, as the slider shows it)."""
-        return explorer.explorer_html(record, _checked(check_iteration, iteration, _iterations(record)) - 1)
+        return explorer.explorer_html(record, min(_checked(check_iteration, iteration), _iterations(record)) - 1)
 
     @staticmethod
     @visitor_errors
     def step(record: RaceRecord | None, iteration, delta: int) -> tuple:
         """Move the explorer by `delta` iterations: (slider value, explorer HTML)."""
         n = _iterations(record)
-        i = max(1, min(_checked(check_iteration, iteration, n) + delta, n))
+        i = max(1, min(_checked(check_iteration, iteration) + delta, n))
         return i, explorer.explorer_html(record, i - 1)
 
     @visitor_errors

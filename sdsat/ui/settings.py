@@ -20,6 +20,7 @@ MODES = ("greedy", "sampling")
 MAX_SEED = 2**31 - 1
 MAX_TEMPERATURE = 5.0
 MAX_TOP_K = 1000
+MAX_ITERATIONS = 100_000  # the explorer's slider: far above any race's iterations
 
 
 class SettingError(ValueError):
@@ -159,9 +160,10 @@ def check_flag(name: str, value) -> bool:
     return _flag(name, value)
 
 
-def check_iteration(value, iterations: int) -> int:
-    """The explorer's slider: an iteration in 1..iterations (1 when there is no race yet)."""
-    return _integer("iteration", value, 1, max(iterations, 1))
+def check_iteration(value) -> int:
+    """The explorer's slider: a whole number from 1 (the handler clamps it to the race it shows, which may
+    have expired since the slider was drawn)."""
+    return _integer("iteration", value, 1, MAX_ITERATIONS)
 
 
 def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mode, k, max_new_tokens,
