@@ -150,7 +150,8 @@ def _flag(name: str, value) -> bool:
 def _shown(value, limit: int = 60) -> str:
     """A visitor's value for an error message: its repr, cut short (a 1 MB list must not come back)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
-        return f"a {len(str(abs(value)))}-digit number"
+        # counted from its bits: str() of an int beyond 4300 digits raises in Python 3.11
+        return f"a {len(str(abs(value)))}-digit number" if value.bit_length() < 14000 else "a number of over 4000 digits"
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "…"
 
