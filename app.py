@@ -17,6 +17,7 @@ from sdsat import ASSETS
 from sdsat.checkpoints import known_checkpoint
 from sdsat.decoding import MAX_TREE_CANDIDATES, DecodeConfig
 from sdsat.ui.benchmark import load_suites
+from sdsat.ui.events import close_direct_routes
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
 from sdsat.ui.render import legend_html, waiting_html
 from sdsat.ui.settings import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, Limits
@@ -45,12 +46,9 @@ _checkpoint = known_checkpoint(limits.models[0])
 CHAT_SHOWN = _checkpoint is None or _checkpoint.chat  # until the model has loaded and says for itself
 
 
-def bench_outputs():
-    view = load_suites()
-    plots = [gr.Plot(value=f, visible=True) for f in view.figures[:MAX_BENCH_PLOTS]]
-    plots += [gr.Plot(visible=False)] * (MAX_BENCH_PLOTS - len(plots))
-    return (view.html + view.frames, gr.Gallery(value=view.images or None, visible=bool(view.images)), *plots,
-            gr.File(value=view.downloads or None, visible=bool(view.downloads)))
+# Read once at start: the results do not change while the app runs, and reading them per page load
+# (145 ms of file reads and parsing) would let any client spend the server's CPU for free.
+BENCH = load_suites()
 
 
 with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens") as demo:
@@ -60,7 +58,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
         "pass. Race it against ordinary decoding on your own prompt — both run for real on this machine, "
         "[paper: arXiv 2403.18647](https://arxiv.org/abs/2403.18647).",
         elem_id="title")
-    record = gr.State(None)  # this visitor's last race (RaceRecord)
+    # this visitor's last race (RaceRecord), dropped after the operator's time-to-live
+    record = gr.State(None, time_to_live=limits.state_ttl_s)
 
     with gr.Tab("Race"):
         with gr.Row(equal_height=False):
@@ -72,11 +71,11 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 with gr.Row():
                     run_btn = gr.Button("Run the race", variant="primary", scale=2)
                     stop_btn = gr.Button("Stop", variant="stop", scale=1)
-                gr.Examples(list(CODE_EXAMPLES.values()), inputs=[prompt, chat],
+                gr.Examples(list(CODE_EXAMPLES.values()), inputs=[prompt, chat], api_visibility="private",
                             label="Examples: code completion, as in the paper", example_labels=list(CODE_EXAMPLES))
                 with gr.Column(visible=CHAT_SHOWN) as chat_examples:
                     gr.Examples(list(CHAT_EXAMPLES.values()), inputs=[prompt, chat], label="Examples: chat",
-                                example_labels=list(CHAT_EXAMPLES))
+                                example_labels=list(CHAT_EXAMPLES), api_visibility="private")
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
@@ -152,10 +151,12 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     with gr.Tab("Benchmark"):
         gr.Markdown("Results of the project's benchmark, read from `assets/bench/` (not recomputed here). "
                     "Every figure states its hardware and settings.")
-        bench_html = gr.HTML(js_on_load=None)
-        bench_gallery = gr.Gallery(label="Figures", visible=False, columns=1, height="auto", object_fit="contain")
-        bench_plots = [gr.Plot(visible=False) for _ in range(MAX_BENCH_PLOTS)]
-        bench_files = gr.File(label="Result files", visible=False, file_count="multiple")
+        gr.HTML(BENCH.html + BENCH.frames, js_on_load=None)
+        gr.Gallery(BENCH.images or None, label="Figures", visible=bool(BENCH.images), columns=1, height="auto",
+                   object_fit="contain")
+        for figure in BENCH.figures[:MAX_BENCH_PLOTS]:
+            gr.Plot(figure)
+        gr.File(BENCH.downloads or None, label="Result files", visible=bool(BENCH.downloads), file_count="multiple")
 
     # -- wiring ---------------------------------------------------------------------------------------
     outputs = dict(headline=headline, vanilla=vanilla_out, sdsat=sdsat_out, race_plot=race_plot,
@@ -163,27 +164,29 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                    explorer_slider=iteration, explorer=explorer_out, record=record, run_data=run_data)
     settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed]
     # lookup and tree last, after show_rejected: /race callers that send the earlier inputs keep working
-    run_event = run_btn.click(page.run_on_gpu, inputs=[*settings, show_rejected, lookup, tree], outputs=[outputs[n] for n in RACE_OUTPUTS],
-                              api_name="race", concurrency_limit=limits.concurrency, concurrency_id="model")
+    # preprocess=False: the page's own check (sdsat/ui/settings.py) parses what clients send, not the components
+    run_event = run_btn.click(page.run_on_gpu, inputs=[*settings, show_rejected, lookup, tree],
+                              outputs=[outputs[n] for n in RACE_OUTPUTS], api_name="race",
+                              concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False)
     replay_event = replay_btn.click(page.replay, inputs=[record, show_rejected], outputs=[headline, vanilla_out, sdsat_out],
                                     api_visibility="private", concurrency_limit=8, concurrency_id="replay")
     stop_btn.click(None, cancels=[run_event, replay_event], api_visibility="private")
-    show_rejected.change(page.sdsat_pane, [record, show_rejected], sdsat_out, queue=False, api_visibility="private")
+    show_rejected.change(page.sdsat_pane, [record, show_rejected], sdsat_out, api_visibility="private")
     mode.change(lambda m: (gr.Group(visible=m == "sampling"), gr.Slider(interactive=m == "greedy")), mode,
-                [sampling_box, tree], queue=False, api_visibility="private")
+                [sampling_box, tree], api_visibility="private")
     model.change(page.model_controls, model, [k, chat, chat_examples], api_visibility="private", concurrency_id="model")
-    iteration.input(page.explore, [record, iteration], explorer_out, queue=False, api_visibility="private")
-    prev_btn.click(lambda r, i: page.step(r, i, -1), [record, iteration], [iteration, explorer_out], queue=False,
-                   api_visibility="private")
-    next_btn.click(lambda r, i: page.step(r, i, +1), [record, iteration], [iteration, explorer_out], queue=False,
-                   api_visibility="private")
+    iteration.input(page.explore, [record, iteration], explorer_out, api_visibility="private", preprocess=False)
+    prev_btn.click(lambda r, i: page.step(r, i, -1), [record, iteration], [iteration, explorer_out],
+                   api_visibility="private", preprocess=False)
+    next_btn.click(lambda r, i: page.step(r, i, +1), [record, iteration], [iteration, explorer_out],
+                   api_visibility="private", preprocess=False)
     gr.api(page.generate, api_name="generate", concurrency_limit=limits.concurrency, concurrency_id="model")
-    demo.load(page.model_controls_if_loaded, model, [k, chat, chat_examples, headline], api_visibility="private",
-              queue=False)
-    demo.load(bench_outputs, None, [bench_html, bench_gallery, *bench_plots, bench_files], api_visibility="private",
-              queue=False)
+    demo.load(page.model_controls_if_loaded, model, [k, chat, chat_examples, headline], api_visibility="private")
 
-demo.queue(max_size=limits.queue_size, default_concurrency_limit=limits.concurrency)
+close_direct_routes(demo)
+demo.queue(max_size=limits.queue_size, default_concurrency_limit=limits.concurrency, api_open=False)
+# launch() options from the operator's limits (the test servers use them too)
+LAUNCH_OPTIONS = LAUNCH | {"state_session_capacity": limits.max_sessions}
 
 if on_zero_gpu():
     page.preload()  # ZeroGPU wants the weights on CUDA at import; nothing is decoded outside a GPU call
@@ -192,4 +195,4 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not on_zero_gpu():
         page.preload()  # load and warm up the default model before the first visitor
-    demo.launch(**LAUNCH)
+    demo.launch(**LAUNCH_OPTIONS)

@@ -3,8 +3,8 @@
 Decoding is greedy unless --sample or --temperature is given. Without --json the text streams to
 stdout as it is decoded, followed by the statistics; with --json stdout holds exactly one JSON
 object (GenerationResult.to_dict() plus the model and settings). Logs, warnings and progress bars
-go to stderr. A bad setting or a model that cannot be loaded ends with exit status 2 and one line
-on stderr. Training and the benchmark have their own entry points: `python -m sdsat.train` and
+go to stderr. A bad setting, a model that cannot be loaded or any other error ends with exit status 2
+and one line on stderr (SDSAT_TRACEBACK=1 adds the traceback); Ctrl-C ends with 130 and "interrupted". Training and the benchmark have their own entry points: `python -m sdsat.train` and
 `python -m sdsat.bench`.
 """
 
@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict, replace
-from typing import TextIO
+from typing import Callable, TextIO
 
 EXIT_BAD_SETTINGS = 2  # as argparse and `python -m sdsat.bench` use for bad arguments
 EXIT_INTERRUPTED = 130
@@ -104,19 +104,59 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)  # imports torch: seconds in which Ctrl-C is likely
     _quiet_libraries(args.verbose)
     out = sys.stdout
+    # Whatever a library prints goes to stderr: stdout is for the result alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _generate(args, out)
+
+
+def guarded(entry: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """Run a command-line entry point so that it ends in one line on stderr, never a traceback.
+
+    The contract of every `python -m sdsat...` command: a ValueError (bad settings, ModelLoadError) is its
+    message; any other error is its type and message (with SDSAT_TRACEBACK=1 the traceback too), both
+    exit status 2; Ctrl-C at any moment, start-up included, prints "interrupted" and exits 130.
+    """
     try:
-        # Whatever a library prints goes to stderr: stdout is for the result alone.
-        with contextlib.redirect_stdout(sys.stderr):
-            return _generate(args, out)
-    except ValueError as err:  # bad settings, and ModelLoadError
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_SETTINGS
+        return entry(argv)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ValueError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    except Exception as err:  # the boundary with the user: a traceback is not an answer they can act on
+        if _interrupted(err):  # transformers' lazy imports turn a Ctrl-C into a ModuleNotFoundError
+            print("\ninterrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if os.environ.get("SDSAT_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"error: {type(err).__name__}: {one_line(err)}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Whether a KeyboardInterrupt lies anywhere in the chain of causes of `err`."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (some libraries' messages span several)."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def decode_config(args: argparse.Namespace, max_k: int | None = None):

@@ -15,6 +15,7 @@ wider blocks and gradients use `nn.Linear` as is.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import types
@@ -36,6 +37,8 @@ TIMED_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)
 # not offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
 COPY_LIMIT_BYTES = 2 << 30
 _PLAN_FORMAT = 3  # part of the stored plan's key: plans of other variant sets are tuned again
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,9 +106,12 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
     if key in _PLANS:
         return _PLANS[key]
     stored = _read(cache_file)
-    if isinstance(stored.get(key), dict):
-        _PLANS[key] = KernelPlan({tuple(map(int, s.split("x"))): v for s, v in stored[key].items()})
-        return _PLANS[key]
+    if key in stored:
+        choices = _parse_plan(stored[key], set(groups), max_rows)
+        if choices is not None:
+            _PLANS[key] = KernelPlan(choices)
+            return _PLANS[key]
+        _set_aside(cache_file, "its plan for this machine and model has bad entries")
     start = time.perf_counter()
     plan = KernelPlan()
     total = sum(m.weight.numel() * m.weight.element_size() for mods in groups.values() for m in mods)
@@ -130,23 +136,60 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
     plan.seconds = time.perf_counter() - start
     _PLANS[key] = plan
     if cache_file is not None:
+        # Written whole to a temporary file and renamed over the old one: a reader (another process, or
+        # this one after a crash) sees the old plan or the new one, never half of one.
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
             kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
             tmp.write_text(json.dumps(kept | {key: plan.summary()}, indent=1))
             tmp.replace(cache_file)
         except OSError:  # a read-only home: tune again next time
             pass
+        finally:
+            tmp.unlink(missing_ok=True)
     return plan
 
 
 def _read(cache_file: Path | None) -> dict:
-    try:
-        stored = json.loads(cache_file.read_text()) if cache_file is not None else {}
-    except (OSError, ValueError):
+    """The stored plans by key; a file that is not a JSON object is set aside (and replaced once tuned)."""
+    if cache_file is None or not cache_file.is_file():
         return {}
-    return stored if isinstance(stored, dict) else {}  # a damaged file is replaced
+    try:
+        stored = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        stored = None
+    if not isinstance(stored, dict):
+        _set_aside(cache_file, "it is not a JSON object of plans")
+        return {}
+    return stored
+
+
+def _parse_plan(entry, shapes: set, max_rows: int) -> dict[tuple[int, int], list[str]] | None:
+    """A stored plan's choices, or None when the entry does not hold one known variant per row count for
+    exactly `shapes` (a file edited by hand, or written by a broken version, must not reach `install`)."""
+    if not isinstance(entry, dict):
+        return None
+    choices = {}
+    for name, variants in entry.items():
+        out, _, inp = name.partition("x")
+        if not (out.isdigit() and inp.isdigit()) or not isinstance(variants, list) or len(variants) != max_rows:
+            return None
+        if not all(isinstance(v, str) and v in VARIANTS for v in variants):
+            return None
+        choices[(int(out), int(inp))] = variants
+    return choices if set(choices) == shapes else None
+
+
+def _set_aside(cache_file: Path, why: str) -> None:
+    """Move a damaged plan file to <name>.bad (kept for a bug report) so that a fresh plan replaces it."""
+    aside = cache_file.with_name(cache_file.name + ".bad")
+    try:
+        cache_file.replace(aside)
+    except OSError:  # a read-only cache: the plan is tuned again each time, nothing worse
+        aside = None
+    log.warning("CPU kernel plan file %s is damaged (%s)%s; tuning again", cache_file, why,
+                f", set aside as {aside.name}" if aside else "")
 
 
 def install(model: nn.Module, plan: KernelPlan) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 _MARK = "\ue000SDSAT_PROMPT\ue000"  # a private-use placeholder no template contains
+_ENCODE_LOCK = threading.Lock()  # every encode that sets split_special_tokens goes through it (see tokens())
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
@@ -21,7 +23,11 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: boo
     split = not allow_special
 
     def tokens(text: str, split_special: bool, add_special: bool = False) -> list[int]:
-        return tokenizer(text, add_special_tokens=add_special, split_special_tokens=split_special).input_ids
+        # transformers stores the flag in the tokenizer's shared backend before encoding; without the
+        # lock, another thread's encode (another visitor of the app) could flip it in between and turn
+        # this visitor's "<|im_start|>" text into a real control token.
+        with _ENCODE_LOCK:
+            return tokenizer(text, add_special_tokens=add_special, split_special_tokens=split_special).input_ids
 
     if not chat:  # the tokenizer adds what its model expects before raw text (Llama's BOS; SmolLM2 adds nothing)
         return tokens(prompt, split, add_special=True)

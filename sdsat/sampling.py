@@ -6,10 +6,15 @@ Names follow the speculative-sampling papers: `p` is the target model's distribu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+# Below this, logits / temperature overflow float32 (1e-40 gives inf - inf = NaN probabilities); 0.01
+# already makes sampling all but greedy, so nothing useful lies beneath it.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass
@@ -17,7 +22,7 @@ class SamplingConfig:
     """How tokens are chosen; greedy unless do_sample."""
 
     do_sample: bool = False  # False: argmax (greedy); True: sample with the settings below
-    temperature: float = 1.0  # > 0; only used when sampling
+    temperature: float = 1.0  # >= MIN_TEMPERATURE; only used when sampling
     top_p: float = 1.0  # in (0, 1]; 1 keeps every token
     top_k: int = 0  # >= 0; 0 keeps every token
     seed: int | None = None  # seeds the sampler; None draws a fresh seed
@@ -25,8 +30,8 @@ class SamplingConfig:
     def validate(self) -> None:
         if not self.do_sample:
             return
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be greater than 0 when sampling, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be at least {MIN_TEMPERATURE} when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -25,6 +25,11 @@ def make_tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2
     return model
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: minutes-long server tests (the API fuzz and the 300-race soak); "
+                            "`make test` runs them, `pytest -m 'not soak'` leaves them out")
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()

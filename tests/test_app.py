@@ -46,10 +46,35 @@ def page(default_engine):
     (dict(lookup_tokens="many"), "prompt lookup tokens must be a whole number"),
     (dict(tree_candidates=9), "draft tree candidates must be between 0 and 8"),
     (dict(tree_candidates=1.5), "draft tree candidates must be a whole number"),
+    # Issue 17: tiny temperatures overflow logits / T; strings are not booleans; any JSON type, any size.
+    (dict(mode="sampling", temperature=1e-40), "temperature must be in [0.01, 5.0], got 1e-40"),
+    (dict(mode="sampling", temperature=5e-324), "temperature must be in [0.01, 5.0]"),
+    (dict(mode="sampling", temperature=10**400), "temperature must be a number in [0.01, 5.0], got a 401-digit number"),
+    (dict(temperature="abc"), "temperature must be a number"),  # ignored by greedy, still checked
+    (dict(temperature=[1.0]), "temperature must be a number"), (dict(top_p={"x": 1}), "top-p must be a number"),
+    (dict(chat="0"), "chat must be true or false, got '0'"), (dict(chat="no"), "chat must be true or false"),
+    (dict(chat={"x": 0}), "chat must be true or false, got {'x': 0}"), (dict(chat=1), "chat must be true or false"),
+    (dict(chat=None), "chat must be true or false"),
+    (dict(k=10**400), "k (adaptive tokens per step) must be between 1 and 8, got a 401-digit number"),
+    (dict(k=-(10**400)), "k (adaptive tokens"), (dict(k=1e308), "k (adaptive tokens"), (dict(k=[4]), "k (adaptive tokens"),
+    (dict(k=True), "k (adaptive tokens"), (dict(seed=float("inf")), "seed"), (dict(max_new_tokens="NaN"), "max new tokens"),
+    (dict(prompt=["hi"]), "prompt must be text, got ['hi']"), (dict(prompt=None), "prompt must be text"),
+    (dict(prompt="a\ud800"), "prompt must be valid Unicode text"),
+    (dict(mode=["greedy"]), "mode (decoding) must be one of"), (dict(model=["x"]), "model must be one of"),
+    (dict(model={"a": 1}), "model must be one of"),
 ])
 def test_bad_setting_names_the_setting(change, named):
-    with pytest.raises(SettingError, match=named.replace("(", r"\(")):
+    with pytest.raises(SettingError) as raised:
         check_request(Limits(), 8, **(GOOD | change))
+    assert named in str(raised.value) and len(str(raised.value)) < 200
+
+
+def test_settings_parse_strictly_but_accept_what_clients_mean():
+    assert check_request(Limits(), 8, **(GOOD | dict(chat="false"))).chat is False  # not bool("false")
+    assert check_request(Limits(), 8, **(GOOD | dict(chat="true"))).chat is True
+    assert check_request(Limits(), 8, **(GOOD | dict(k=-0.0 + 4, seed=-0.0, lookup_tokens=-0.0))).lookup_tokens == 0
+    sampled = check_request(Limits(), 8, **(GOOD | dict(mode="sampling", temperature="0.01", top_p=1e-300)))
+    assert sampled.sampling.temperature == 0.01 and sampled.sampling.top_p == 1e-300
 
 
 def test_good_settings_fill_both_configs():
@@ -106,6 +131,17 @@ def test_esc_defuses_markup_and_templates():
     out = esc('<script>&"\'{{x}}${y}`')
     assert "<" not in out and ">" not in out and '"' not in out and "{" not in out and "$" not in out
     assert esc("\x00") == "\u2400"
+
+
+def test_esc_shows_c1_and_bidirectional_controls_as_code_points():
+    # A right-to-left override would make the page read differently from the text; U+0085 breaks lines.
+    hostile = "a\u202eevil\u202c b\x85c\x9b d\u2066e\u2069 f\u200fg\u061ch\u2028"
+    out = esc(hostile)
+    assert not any(0x80 <= ord(c) <= 0x9F or c in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028\u2029"
+                   for c in out), ascii(out)
+    assert "\u27e8U+202E\u27e9" in out and "\u27e8U+0085\u27e9" in out and "evil" in out
+    steps, _ = _fake_steps()
+    assert "\u202e" not in sdsat_html(steps, [hostile] * 8, {}, show_rejected=False)
 
 
 def test_rendered_panes_show_markup_as_text():
@@ -232,16 +268,99 @@ def test_bad_input_gives_gr_error_naming_the_setting(page, default_engine):
         list(page.run(**(GOOD | dict(prompt="hello " * 600)), show_rejected=False))
 
 
+def decoders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("sdsat-") and t.is_alive()]
+
+
 def test_closing_the_run_cancels_the_decoder_at_once(page):
     run = page.run(**(GOOD | dict(max_new_tokens=24)), show_rejected=False)
     next(run)  # the first snapshot: vanilla is decoding
-    start = time.monotonic()
     run.close()  # what Gradio does on Stop or when the visitor leaves
     # The decoder stops at its next iteration boundary: one forward pass, seconds on a loaded 2-core CPU.
-    assert time.monotonic() - start < 15
-    assert not [t for t in threading.enumerate() if t.name.startswith("sdsat-") and t.is_alive()]
+    start = time.monotonic()
+    while decoders():
+        assert time.monotonic() - start < 15
+        time.sleep(0.01)
     outs = list(page.run(**GOOD, show_rejected=False))  # the next request works
     assert dict(zip(RACE_OUTPUTS, outs[-1]))["run_data"]["identical"] is True
+
+
+class SlowPasses:
+    """The real engine, with every decoder iteration taking `seconds` longer: a pass on a loaded machine."""
+
+    def __init__(self, engine, seconds: float):
+        self.engine, self.seconds = engine, seconds
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, prompt_ids, config, should_stop=None):
+        for event in self.engine.stream(prompt_ids, config, should_stop):
+            time.sleep(self.seconds)
+            yield event
+
+
+def test_closing_a_race_never_waits_for_the_decoder(default_engine):
+    # Gradio closes the generator on its event loop: a join there stalls every visitor for a whole pass.
+    request = check_request(Limits(), 8, **(GOOD | dict(max_new_tokens=24)))
+    ids = default_engine.encode(request.prompt)
+    snaps = race(SlowPasses(default_engine, 1.0), ids, request, time_limit_s=600, every=0.01)
+    next(snaps)
+    start = time.monotonic()
+    snaps.close()
+    assert time.monotonic() - start < 0.5
+    assert decoders()  # still finishing its pass, in its own thread
+    # The next race waits for it before decoding, so that two decoders never share the CPU.
+    snaps = race(default_engine, ids, check_request(Limits(), 8, **(GOOD | dict(max_new_tokens=2))), time_limit_s=600)
+    first = next(snaps)
+    assert [t.name for t in decoders()] in ([first.phase and f"sdsat-{first.phase}"], [])
+    assert list(snaps)[-1].phase == "done"
+
+
+def test_a_cancelled_race_never_starts_its_sdsat_phase(default_engine):
+    request = check_request(Limits(), 8, **(GOOD | dict(max_new_tokens=24)))
+    ids = default_engine.encode(request.prompt)
+    cancel = threading.Event()
+    snaps = race(SlowPasses(default_engine, 0.2), ids, request, time_limit_s=600, cancel=cancel, every=0.01)
+    first = next(snaps)
+    assert first.phase == "vanilla"
+    cancel.set()  # what a cancelled /generate does
+    rest = list(snaps)
+    assert all(s.phase == "vanilla" for s in rest) and "sdsat" not in first.results
+    assert not [t for t in threading.enumerate() if t.name == "sdsat-sdsat"]
+
+
+def test_generate_cancelled_raises_instead_of_racing_on(page):
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(gr.Error, match="cancelled"):
+        page.generate_sync(**GOOD, cancel=cancel)
+
+
+def test_errors_never_show_server_paths(page, default_engine, tmp_path, monkeypatch):
+    missing = str(tmp_path / "no-such-model")
+    broken = Page(Limits(models=[missing]))
+    with pytest.raises(gr.Error) as raised:
+        list(broken.run(**(GOOD | dict(model=missing)), show_rejected=False))
+    assert "could not be loaded" in raised.value.message and str(tmp_path) not in raised.value.message.replace(missing, "")
+    # A ValueError from deeper down is not an invalid setting: the visitor gets a message, the log the details.
+    monkeypatch.setattr(default_engine, "encode", lambda *a, **k: (_ for _ in ()).throw(ValueError("/srv/secret/x.json")))
+    with pytest.raises(gr.Error) as raised:
+        list(page.run(**GOOD, show_rejected=False))
+    assert "/srv/secret" not in raised.value.message and raised.value.title == "Server error"
+
+
+def test_page_events_parse_their_inputs_strictly(page):
+    with pytest.raises(gr.Error, match="show rejected drafts must be true or false"):
+        page.sdsat_pane(None, "0")
+    with pytest.raises(gr.Error, match="show rejected drafts must be true or false"):
+        next(page.run(**GOOD, show_rejected={"x": 0}))
+    with pytest.raises(gr.Error, match="iteration must be a whole number between 1 and 100000"):
+        page.explore(None, "abc")
+    with pytest.raises(gr.Error, match="iteration must be"):
+        page.step(None, [1], +1)
+    assert page.step(None, 1, +1)[0] == 1
+    assert "Run a prompt" in page.explore(None, 7)  # a slider left from a race whose state has expired
 
 
 def test_time_limit_stops_each_decoder(page, default_engine):

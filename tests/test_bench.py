@@ -315,3 +315,90 @@ def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypat
     assert all(set(both[n]["plain"]) == {1, 2} and set(both[n]["draft"]) == {1} for n in both)
     table = pass_cost.compare_report(both, 10)
     assert "a: relative" in table and "b: ms" in table and "| draft [t, SAT×1] | 2 |" in table
+
+
+# -- issue 17: long prompts, Ctrl-C after the runs -----------------------------------------------------------
+def small_bench(tmp_path, *extra: str) -> tuple[int, str]:
+    """The benchmark in this process on the default model: 1 HumanEval prompt, 2 tokens, vanilla only."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import torch
+
+    threads = torch.get_num_threads()
+    err = io.StringIO()
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(err):
+            code = cli.main(["--limit", "1", "--max-new-tokens", "2", "--methods", "vanilla", "--warmup-tokens", "0",
+                             "--threads", "1", "--out-dir", str(tmp_path / "out"), "--quiet", "--no-png", *extra])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the benchmark as a traceback")
+    finally:
+        torch.set_num_threads(threads)
+    return code, err.getvalue()
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_with_one_line(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello " * 8300}) + "\n" + json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    code, err = small_bench(tmp_path, "--prompts", str(prompts), "--limit", "2", "--methods", "vanilla", "sdsat_greedy",
+                            "--k", "2", "--no-figures")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "skipped" in line]
+    assert lines == [lines[0]] and lines[0].startswith("skipped prompt line 1: 8301 tokens") and "8192" in lines[0]
+    payload = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [p["name"] for p in payload["prompts"]] == ["line 2"] and payload["meta"]["skipped_prompts"][0]["name"] == "line 1"
+    assert {r["prompt_index"] for r in payload["runs"]} == {0} and len(payload["runs"]) == 2
+
+
+def test_fitting_prompts_counts_the_widest_reach_of_any_variant():
+    from sdsat.bench.prompts import BenchPrompt
+    from sdsat.bench.runner import fitting_prompts
+
+    prompts = [BenchPrompt(i, "x", "completion", f"p{i}") for i in range(3)]
+    variants = plan_variants(["vanilla", "sdsat_greedy"], [2, 4], 2, [1.0], 10, 8, ("two_step", "fused"), 2)
+    config = BenchConfig(methods=["vanilla", "sdsat_greedy"], k_list=[2, 4], max_new_tokens=10, lookup_tokens=10,
+                         tree_candidates=2)
+    reach = 2 * 4 + 2 + 10  # fused k=4 reaches 2k past the bonus; a tree adds its runner-ups, lookup its copies
+    ids = [[1] * (100 - 10 - reach), [1] * (101 - 10 - reach), [1] * 5]
+    kept, kept_ids, skipped = fitting_prompts(prompts, ids, variants, config, max_context=100)
+    assert [p.name for p in kept] == ["p0", "p2"] and [p.index for p in kept] == [0, 1] and kept_ids == [ids[0], ids[2]]
+    assert skipped == [{"name": "p1", "prompt_tokens": 101 - 10 - reach, "needed": 101, "max_context": 100}]
+
+
+@pytest.mark.parametrize("stage", ["pass@1", "figures"])
+def test_ctrl_c_after_the_runs_keeps_them_without_a_traceback(tmp_path, monkeypatch, stage):
+    from sdsat.bench import figures, runner
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(*((runner, "score_pass_at_1", interrupt) if stage == "pass@1" else (figures, "write_figures", interrupt)))
+    code, err = small_bench(tmp_path)
+    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted: the 1 completed")
+    assert len(json.loads((tmp_path / "out" / "results.json").read_text())["runs"]) == 1
+
+
+def test_ctrl_c_during_a_humaneval_program_kills_it(tmp_path):
+    # The program runs in its own process group, so the terminal's Ctrl-C never reaches it: left alone it
+    # would run on, an orphan, after the benchmark has gone.
+    import threading
+
+    from sdsat.bench.humaneval import run_program
+
+    pid_file = tmp_path / "pid"
+    program = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+    main = threading.main_thread().ident
+
+    def ctrl_c_once_started():
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.02)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_started, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_program(program, timeout=60)
+    assert time.monotonic() - start < 30
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # killed and reaped, not left running

@@ -4,6 +4,7 @@ training and wide blocks are left to nn.Linear."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -136,3 +137,28 @@ def test_a_damaged_plan_file_is_replaced(tmp_path, monkeypatch):
         monkeypatch.setattr(cpu_kernels, "_PLANS", {})
         plan = cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache)
         assert list(json.loads(cache.read_text()).values()) == [plan.summary()]
+
+
+@pytest.mark.parametrize("damage", ["variant", "length", "shape", "type", "name"])
+def test_a_plan_with_bad_entries_is_set_aside_and_tuned_again(tmp_path, monkeypatch, caplog, damage):
+    # A file that parses but holds a bad plan (edited by hand, or a broken write) must never reach install().
+    model = make_tiny_llama()
+    cache = tmp_path / "kernels.json"
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    plan = cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache)
+    (key, entry), = json.loads(cache.read_text()).items()
+    shape = next(iter(entry))
+    bad = {"variant": entry | {shape: ["linear", "no_such_kernel"]}, "length": entry | {shape: ["linear"]},
+           "shape": {"1x1": ["linear", "linear"]} | entry, "type": entry | {shape: 7}, "name": entry | {"4x": ["linear"] * 2}}
+    cache.write_text(json.dumps({key: bad[damage]}))
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    with caplog.at_level(logging.WARNING, logger="sdsat.cpu_kernels"):
+        again = cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache)
+    assert set(again.choices) == set(plan.choices) and cpu_kernels.install(model, again) >= 0
+    assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] == [
+        f"CPU kernel plan file {cache} is damaged (its plan for this machine and model has bad entries), "
+        "set aside as kernels.json.bad; tuning again"]
+    assert json.loads((tmp_path / "kernels.json.bad").read_text()) == {key: bad[damage]}
+    assert list(json.loads(cache.read_text()).values()) == [again.summary()]
+    assert not list(tmp_path.glob("*.tmp*"))  # written through a temporary file, renamed into place
+    cpu_kernels.uninstall(model)

@@ -26,10 +26,9 @@ RACE_ARGS = dict(prompt="def add(a, b):\n", model="smollm2-135m-instruct", chat=
 @pytest.fixture(scope="module")
 def server(default_engine):
     import app
-    from sdsat.ui.style import LAUNCH
 
     app.page.cache.add(default_engine)
-    _, url, _ = app.demo.launch(prevent_thread_lock=True, quiet=True, server_name="127.0.0.1", **LAUNCH)
+    _, url, _ = app.demo.launch(prevent_thread_lock=True, quiet=True, server_name="127.0.0.1", **app.LAUNCH_OPTIONS)
     try:
         yield url
     finally:

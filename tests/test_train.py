@@ -186,3 +186,109 @@ def test_eval_windows_cover_short_sequences_too():
     assert windows["long"].tolist() == [list(range(10, 18))]
     assert windows["short"].tolist() == [[5, 6, 7, 0] * 2] * 5
     assert "tiny" not in windows  # too little text for one window
+
+
+# -- settings, checkpoints and export (issue 17) -------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--eval-every", "0"], "eval_every must be a whole number of at least 1, got 0"),  # was a ZeroDivisionError
+    (["--checkpoint-every", "0"], "checkpoint_every must be a whole number of at least 1, got 0"),
+    (["--warmup", "0"], "warmup must be a whole number of at least 1, got 0"),
+    (["--steps", "-5"], "steps must be a whole number of at least 1, got -5"),
+    (["--lr", "nan"], "lr must be a number in (0.0, 10.0], got nan"),
+    (["--alpha", "inf"], "alpha must be a number in (0.0, 1000000.0], got inf"),
+    (["--offset-decay", "0"], "offset_decay must be a number in (0.0, 1.0], got 0.0"),
+    (["--held-out", "-1"], "held_out must be a whole number of at least 0, got -1"),
+    (["--weights", '{"code": 0}'], "weights must map source names to numbers of 0 or more, not all 0"),
+    (["--weights", '[1, 2]'], "weights must map source names"),
+    (["--layers", "-1"], "layers must be a list of decoder layer numbers"),
+    (["--mode", "full"], "mode must be one of adapter, paper; got 'full'"),
+    (["--seq-len", "4"], "seq_len must be at least num_sats + 3 = 8, got 4"),
+])
+def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, args, message):
+    from sdsat.train.__main__ import main
+
+    assert main([*args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "run").exists()  # refused before the run folder, the model or the corpus
+
+
+def tiny_run(tmp_path, steps: int = 4) -> tuple[TrainConfig, dict]:
+    config = TrainConfig(mode="paper", model="tiny", out=str(tmp_path / "run"), num_sats=2, sat_token="<file_sep>",
+                         steps=steps, batch_size=2, seq_len=16, runs_per_seq=2, warmup=1, weights={"counting": 1.0},
+                         held_out=2, eval_every=steps, checkpoint_every=2)
+    return config, dict(corpus=counting_corpus(16, 24, seed=0), progress=False)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "foreign"])
+def test_a_damaged_checkpoint_is_one_clear_error(tmp_path, real_tokenizer, damage):
+    config, data = tiny_run(tmp_path)
+    train(config, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    whole = checkpoint.read_bytes()
+    checkpoint.write_bytes({"garbage": b"not a checkpoint at all", "truncated": whole[:len(whole) // 2], "empty": b"",
+                            "foreign": b""}[damage])
+    if damage == "foreign":  # a readable file of something else: no "step", "trainable"...
+        torch.save({"weights": torch.zeros(2)}, checkpoint)
+    longer = TrainConfig(**{**config.__dict__, "steps": 6})
+    with pytest.raises(ValueError, match="checkpoint .*checkpoint.pt cannot be resumed .*move it away to start the run over"):
+        train(longer, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
+
+
+class _Payload:
+    """What a hostile run folder could hold: unpickling it runs code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_cannot_run_code(tmp_path, real_tokenizer):
+    config, data = tiny_run(tmp_path)
+    (tmp_path / "run").mkdir()
+    marker = tmp_path / "code-ran"
+    torch.save({"step": 2, "wall_seconds": 1.0, "trainable": _Payload(marker)}, tmp_path / "run" / "checkpoint.pt")
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        train(config, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
+    assert not marker.exists(), "torch.load ran code from the run folder"
+
+
+def test_export_replaces_the_target_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from sdsat.train import __main__ as cli
+
+    sats = tmp_path / "run" / "sats"
+    sats.mkdir(parents=True)
+    for name, text in (("adapter_config.json", "new config"), ("adapter_model.safetensors", "new weights"),
+                       ("sat_spec.json", "{}")):
+        (sats / name).write_text(text)
+    target = tmp_path / "exported"
+    target.mkdir()
+    (target / "adapter_config.json").write_text("old config")
+    (target / "adapter_model.safetensors").write_text("old weights")
+    (target / "tuning.json").write_text("notes")  # not written by a run: kept
+    monkeypatch.setattr(cli, "train", lambda config: {})  # trained already: this tests the export alone
+    copied = []
+
+    def crash_after_one(src, dst, *a, **k):
+        if copied:
+            raise OSError("disk full")
+        copied.append(src)
+        return shutil.copyfile(src, dst)
+
+    monkeypatch.setattr(shutil, "copy2", crash_after_one)
+    assert cli.main(["--out", str(tmp_path / "run"), "--export", str(target)]) == 2
+    assert "disk full" in capsys.readouterr().err
+    # The crash left the old export as it was: no new weights beside an old config, no half-built folder.
+    assert {p.name: p.read_text() for p in target.iterdir()} == {"adapter_config.json": "old config",
+                                                                "adapter_model.safetensors": "old weights",
+                                                                "tuning.json": "notes"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
+    monkeypatch.setattr(shutil, "copy2", shutil.copyfile)
+    assert cli.main(["--out", str(tmp_path / "run"), "--export", str(target)]) == 0
+    assert {p.name: p.read_text() for p in target.iterdir()} == {p.name: p.read_text() for p in sats.iterdir()} | {
+        "tuning.json": "notes"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]

@@ -3,8 +3,9 @@
 Writes OUT_DIR/results.json (every run and the summary, rewritten after each prompt), results.md
 (the table, also printed on stdout), summary.json (the table as data, which the app's Benchmark tab
 shows) and the figures as HTML and PNG. Progress goes to stderr.
-Exit status: 0 done, 3 a greedy output differed from vanilla's (a bug), 130 interrupted (Ctrl-C;
-the runs completed so far are kept), 2 bad arguments.
+Exit status: 0 done, 3 a greedy output differed from vanilla's (a bug), 130 interrupted (Ctrl-C at
+any point, pass@1 and figures included; the runs completed so far are kept), 2 bad arguments or any
+other error (one line). Prompts too long for the model's context are skipped with one line each.
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out_dir = Path(args.out_dir)
@@ -128,12 +135,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
-    from .figures import build_figures, write_figures
     from .methods import plan_variants
     from .report import build_payload, write_json
-    from .runner import (BenchConfig, encode_prompts, git_commit, iterate_runs, machine_info, now_iso,
-                         run_to_dict, score_pass_at_1, warm_up)
-    from .table import markdown_table, summary_rows
+    from .runner import (BenchConfig, encode_prompts, fitting_prompts, git_commit, iterate_runs, machine_info,
+                         now_iso, run_to_dict, warm_up)
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,6 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    max_context = getattr(engine.model.config, "max_position_embeddings", None)
+    prompts, prompt_ids, skipped = fitting_prompts(prompts, encode_prompts(engine, prompts), variants, config,
+                                                   max_context)
+    for s in skipped:
+        print(f"skipped prompt {s['name']}: {s['prompt_tokens']} tokens, plus {config.max_new_tokens} new tokens and "
+              f"the drafts' reach, need {s['needed']} positions; the model's context is {s['max_context']}",
+              file=sys.stderr)
+    if not prompts:
+        print(f"error: none of the prompts fits the model's context of {max_context} tokens with "
+              f"--max-new-tokens {config.max_new_tokens}", file=sys.stderr)
+        return 2
     use_pass_at_1 = args.pass_at_1 if args.pass_at_1 is not None else not args.prompts
     if use_pass_at_1 and args.prompts:
         print("warning: --pass-at-1 needs HumanEval prompts; skipped", file=sys.stderr)
@@ -176,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                      "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates,
                      "quick": args.quick, "subset": args.subset,
                      "limit": args.limit, "variants": [v.label for v in variants]},
+        "skipped_prompts": skipped,
     }
-    prompt_ids = encode_prompts(engine, prompts)
     runs: list[dict] = []
     interrupted = False
     bar_options = dict(file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
@@ -204,6 +220,33 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"no completed runs; wrote {json_path}", file=sys.stderr)
         return 130 if interrupted else 1
+    try:
+        written = _finish(args, payload, prompts, runs, json_path, out_dir, use_pass_at_1, bar_options)
+    except KeyboardInterrupt:  # during pass@1 or the figures: the runs are on disk already
+        print(f"\ninterrupted: the {len(runs)} completed runs are in {json_path}", file=sys.stderr)
+        return 130
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    mismatches = payload["summary"]["greedy_mismatches"]
+    if mismatches:
+        print("\n" + "!" * 78 + f"\nBUG: {len(mismatches)} greedy output(s) differ from vanilla decoding:", file=sys.stderr)
+        for m in mismatches:
+            print(f"  prompt {m['prompt_index']} repeat {m['repeat']} {m['label']}: first difference at token "
+                  f"{m['first_difference']}", file=sys.stderr)
+        print("In float32 greedy outputs must be identical; please report this.\n" + "!" * 78, file=sys.stderr)
+        return 3
+    return 130 if interrupted else 0
+
+
+def _finish(args, payload: dict, prompts, runs: list[dict], json_path: Path, out_dir: Path, use_pass_at_1: bool,
+            bar_options: dict) -> list[Path]:
+    """After the runs: pass@1, the table and the figures; returns the files written."""
+    from tqdm import tqdm
+
+    from .figures import build_figures, write_figures
+    from .report import write_json
+    from .runner import score_pass_at_1
+    from .table import markdown_table, summary_rows
+
     if use_pass_at_1:
         with tqdm(total=1, desc="pass@1", unit="step", **bar_options):
             payload["pass_at_1"] = score_pass_at_1(prompts, runs, timeout=args.exec_timeout)
@@ -219,16 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         written += paths
         if skipped and not args.no_png:
             print(f"warning: {skipped}; wrote the HTML figures only", file=sys.stderr)
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-    mismatches = payload["summary"]["greedy_mismatches"]
-    if mismatches:
-        print("\n" + "!" * 78 + f"\nBUG: {len(mismatches)} greedy output(s) differ from vanilla decoding:", file=sys.stderr)
-        for m in mismatches:
-            print(f"  prompt {m['prompt_index']} repeat {m['repeat']} {m['label']}: first difference at token "
-                  f"{m['first_difference']}", file=sys.stderr)
-        print("In float32 greedy outputs must be identical; please report this.\n" + "!" * 78, file=sys.stderr)
-        return 3
-    return 130 if interrupted else 0
+    return written
 
 
 if __name__ == "__main__":

@@ -74,14 +74,27 @@ def run_program(program: str, timeout: float = 10.0, memory_bytes: int = 1 << 30
         try:
             _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            _kill(proc)
             return Verdict(False, "timed out")
+        except BaseException:
+            # Ctrl-C (or any error) while it runs: the terminal's SIGINT never reaches the child, which has
+            # its own process group, so it would run on as an orphan; end it before passing the interrupt on.
+            _kill(proc)
+            raise
     if proc.returncode == 0:
         return Verdict(True, "passed")
     lines = stderr.decode("utf-8", "replace").strip().splitlines()
     reason = lines[-1] if lines else f"exit status {proc.returncode}"
     return Verdict(False, f"failed: {reason[:200]}")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill a program's whole process group and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # it had just ended
+        pass
+    proc.communicate()
 
 
 def check_completion(problem: dict, completion: str, timeout: float = 10.0) -> Verdict:

@@ -20,6 +20,7 @@ per forward pass compares `model.generate` with the engine honestly.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -29,7 +30,7 @@ from transformers import GenerationConfig
 from .. import timing
 from ..decoding import MAX_TREE_CANDIDATES, DecodeConfig, run
 from ..engine import Engine
-from ..sampling import SamplingConfig
+from ..sampling import MIN_TEMPERATURE, SamplingConfig
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
 SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
@@ -95,8 +96,8 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
     if any(_SCHEME_PARTS[s].tree for s in schemes) and not 1 <= tree_candidates <= MAX_TREE_CANDIDATES:
         raise ValueError(f"--tree-candidates must be between 1 and {MAX_TREE_CANDIDATES} for the tree schemes, "
                          f"got {tree_candidates}")
-    if any(not t > 0 for t in temperatures):
-        raise ValueError(f"temperatures must be above 0, got {temperatures}")
+    if any(not (math.isfinite(t) and t >= MIN_TEMPERATURE) for t in temperatures):
+        raise ValueError(f"--temperatures must each be at least {MIN_TEMPERATURE}, got {temperatures}")
     variants: list[Variant] = []
     for method in METHODS:  # canonical order, whatever order the user listed
         if method not in methods:

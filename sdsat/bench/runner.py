@@ -50,6 +50,30 @@ def encode_prompts(engine: Engine, prompts: list[BenchPrompt]) -> list[list[int]
     return [engine.encode(p.text, chat=p.kind == "chat") for p in prompts]
 
 
+def fitting_prompts(prompts: list[BenchPrompt], prompt_ids: list[list[int]], variants: list[Variant],
+                    config: BenchConfig, max_context: int | None) -> tuple[list[BenchPrompt], list[list[int]], list[dict]]:
+    """The prompts whose every run fits the model's context, renumbered from 0, and the skipped ones.
+
+    A run needs the prompt, the new tokens and the positions its drafts reach past them; this counts
+    the widest any variant can reach (fused SAT runs of 2k, a tree's runner-ups, prompt lookup's copies),
+    so a prompt near the limit is skipped rather than failing mid-run.
+    Returns (prompts, their ids, skipped: [{"name", "prompt_tokens", "needed", "max_context"}]).
+    """
+    if not isinstance(max_context, int) or max_context <= 0:
+        return prompts, prompt_ids, []
+    reach = 2 * max((v.k for v in variants), default=0) + config.tree_candidates + config.lookup_tokens
+    kept, kept_ids, skipped = [], [], []
+    for prompt, ids in zip(prompts, prompt_ids):
+        needed = len(ids) + config.max_new_tokens + reach
+        if needed > max_context:
+            skipped.append({"name": prompt.name, "prompt_tokens": len(ids), "needed": needed, "max_context": max_context})
+            continue
+        prompt.index = len(kept)  # runs name prompts by position: keep it dense
+        kept.append(prompt)
+        kept_ids.append(ids)
+    return kept, kept_ids, skipped
+
+
 def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], config: BenchConfig) -> Iterator[Variant]:
     """Run each variant once, untimed, so lazy initialisation and caches do not count; yields each one done."""
     if config.warmup_tokens <= 0:

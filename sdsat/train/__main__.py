@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import typing
 from pathlib import Path
 
+from . import trainer
 from .trainer import TrainConfig, train
 
 
@@ -67,26 +67,25 @@ def _parser() -> argparse.ArgumentParser:
         else:
             kind = {int: int, float: float, str: str}.get(hints[f.name], str)
             parser.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=_HELP.get(f.name))
-    parser.add_argument("--export", metavar="DIR", help="after training, copy the trained SATs and record into DIR")
+    parser.add_argument("--export", metavar="DIR", help="after training, copy the trained SATs and record into DIR, "
+                        "all at once (a crash never leaves half an export); other files in DIR are kept")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = vars(_parser().parse_args(argv))
     export = args.pop("export")
-    try:
-        config = TrainConfig(**args)
-        train(config)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = TrainConfig(**args)
+    train(config)  # a bad setting or a damaged checkpoint: ValueError, one line from guarded
     if export:
-        source = Path(config.out) / "sats"
-        target = Path(export)
-        target.mkdir(parents=True, exist_ok=True)
-        for path in source.iterdir():
-            shutil.copy2(path, target / path.name)
-        print(f"exported {source} -> {target}", file=sys.stderr)
+        trainer.export(Path(config.out) / "sats", Path(export))
+        print(f"exported {Path(config.out) / 'sats'} -> {export}", file=sys.stderr)
     return 0
 
 

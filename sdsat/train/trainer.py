@@ -17,6 +17,8 @@ import json
 import logging
 import math
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from ..models import DEFAULT_MODEL, LoadConfig, load_model
-from ..sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from ..sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
 from .data import Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts, self_distill, stdlib_files
 from ..layout import SatLayout
 from .examples import sample_layout
@@ -74,15 +76,45 @@ class TrainConfig:
     checkpoint_every: int = 25  # steps between checkpoints
 
     def validate(self) -> None:
-        if self.mode not in ("adapter", "paper"):
-            raise ValueError(f"mode must be 'adapter' or 'paper', got {self.mode!r}")
-        if self.target not in ("argmax", "distribution"):
-            raise ValueError(f"target must be 'argmax' or 'distribution', got {self.target!r}")
-        for name in ("num_sats", "steps", "batch_size", "runs_per_seq"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        """Every setting by type and range, as the decoder's are; raises ValueError naming the first bad one."""
+        for name, choices in (("mode", ("adapter", "paper")), ("target", ("argmax", "distribution"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        for name in ("model", "out", "sat_token"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name, low in _WHOLE_AT_LEAST.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be a whole number of at least {low}, got {value!r}")
+        for name, (low, high) in _REAL_IN.items():  # (low, high]: above low, at most high
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+                raise ValueError(f"{name} must be a number in ({low}, {high}], got {value!r}")
         if self.seq_len < self.num_sats + 3:
             raise ValueError(f"seq_len must be at least num_sats + 3 = {self.num_sats + 3}, got {self.seq_len}")
+        if (not isinstance(self.target_modules, list) or not self.target_modules
+                or not all(isinstance(m, str) and m for m in self.target_modules)):
+            raise ValueError(f"target_modules must be a non-empty list of module names, got {self.target_modules!r}")
+        if self.layers is not None and (not isinstance(self.layers, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
+            raise ValueError(f"layers must be a list of decoder layer numbers (0 or more), got {self.layers!r}")
+        weights = self.weights
+        if (not isinstance(weights, dict) or not weights or not all(isinstance(k, str) for k in weights)
+                or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+                           for w in weights.values()) or not sum(weights.values()) > 0):
+            raise ValueError('weights must map source names to numbers of 0 or more, not all 0, as JSON '
+                             f'(e.g. {{"code": 0.1, "chat_completions": 0.9}}); got {weights!r}')
+
+
+# The whole-number settings and their least values: 0 would divide by zero (warmup, eval_every,
+# checkpoint_every) or train nothing.
+_WHOLE_AT_LEAST = {"num_sats": 1, "rank": 0, "inject_layer": 0, "paper_lora_rank": 0, "steps": 1, "batch_size": 1,
+                   "seq_len": 1, "runs_per_seq": 1, "warmup": 1, "seed": 0, "code_files": 0, "code_prompts": 0,
+                   "chat_prompts": 0, "distill_tokens": 1, "distill_batch": 1, "held_out": 0, "eval_every": 1,
+                   "checkpoint_every": 1}
+# The real-valued settings: (low, high], so NaN, 0 and inf are refused where they would poison training.
+_REAL_IN = {"alpha": (0.0, 1e6), "offset_decay": (0.0, 1.0), "lr": (0.0, 10.0), "embedding_lr_scale": (0.0, 1e6)}
 
 
 # -- corpus -----------------------------------------------------------------------------------------
@@ -288,6 +320,31 @@ def save_trained(sat_model: SatModel, folder: Path, record: dict) -> None:
     record_figure(record).write_html(folder / "training_record.html", include_plotlyjs="cdn")
 
 
+def export(source: Path, target: Path) -> None:
+    """Copy the trained folder `source` into `target` as one step: the new folder is built in a hidden
+    sibling and renamed into place, so a crash never leaves new weights beside an old config. Files of an
+    existing `target` that the run does not write (notes such as tuning.json) are carried over."""
+    source, target = Path(source), Path(target)
+    if not (source / SPEC_FILE).is_file():
+        raise ValueError(f"nothing to export: {source} holds no trained SATs ({SPEC_FILE} missing)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    try:
+        ours = {path.name for path in source.iterdir()}
+        kept = [path for path in target.iterdir() if path.name not in ours] if target.is_dir() else []
+        for path in [*kept, *source.iterdir()]:
+            (shutil.copytree if path.is_dir() else shutil.copy2)(path, building / path.name)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            target.rename(old / target.name)
+            building.rename(target)
+            shutil.rmtree(old)
+        else:
+            building.rename(target)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)  # gone already unless something failed
+
+
 def _eval_windows(held_out: Corpus, n: int, separator: int, max_windows: int = 16) -> dict[str, torch.Tensor]:
     """Up to `max_windows` N-token windows per source: the start of each held-out sequence that is long
     enough, then windows cut from the shorter ones joined end to end (so short chat answers count too)."""
@@ -306,8 +363,15 @@ def _checkpoint(out: Path, sat_model, optimizer, scheduler, sampler, layouts, re
              "scheduler": scheduler.state_dict(), "sampler": sampler.state(), "layouts": layouts.get_state(), "record": record}
     tmp = out / "checkpoint.pt.tmp"
     torch.save(state, tmp)
-    tmp.replace(out / "checkpoint.pt")
-    (out / "training_record.json").write_text(json.dumps(record) + "\n")
+    tmp.replace(out / "checkpoint.pt")  # a crash mid-save leaves the previous checkpoint whole
+    write_atomically(out / "training_record.json", json.dumps(record) + "\n")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it over `path`: readers see all or nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _trainable_state(sat_model: SatModel) -> dict[str, torch.Tensor]:
@@ -319,20 +383,30 @@ def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts
     path = out / "checkpoint.pt"
     if not path.is_file():
         return 0, 0.0
-    state = torch.load(path, weights_only=False)  # our own file, written by _checkpoint
-    module = sat_model.adapter if sat_model.adapter is not None else sat_model.model
-    named = dict(module.named_parameters())
-    with torch.no_grad():
-        for key, value in state["trainable"].items():
-            named[key].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    sampler.set_state(state["sampler"])
-    layouts.set_state(state["layouts"])
+    try:
+        # weights_only: a run folder may come from elsewhere, and a full unpickler runs any code in it.
+        # Everything _checkpoint saves (tensors, numbers, strings, lists, dicts) loads this way.
+        state = torch.load(path, weights_only=True)
+        step, wall = int(state["step"]), float(state["wall_seconds"])
+        module = sat_model.adapter if sat_model.adapter is not None else sat_model.model
+        named = dict(module.named_parameters())
+        with torch.no_grad():
+            for key, value in state["trainable"].items():
+                named[key].copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.set_state(state["sampler"])
+        layouts.set_state(state["layouts"])
+        previous = state["record"]
+    # A truncated or foreign file fails in torch (UnpicklingError, RuntimeError, EOFError...), one of
+    # another run in the restore (KeyError, shape errors): either way the run cannot go on from it.
+    except Exception as err:
+        raise ValueError(f"checkpoint {path} cannot be resumed ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:200]}); move it away to start the run over") from None
     current = record["config"]
-    record.update(state["record"])
+    record.update(previous)
     if record["config"] != current:  # resumed with other settings (say, more steps): keep both on record
-        record.setdefault("resumes", []).append({"step": state["step"], "previous_config": record["config"]})
+        record.setdefault("resumes", []).append({"step": step, "previous_config": record["config"]})
         record["config"] = current
-    log.info("resumed from %s at step %d", path, state["step"])
-    return state["step"], state["wall_seconds"]
+    log.info("resumed from %s at step %d", path, step)
+    return step, wall

@@ -7,6 +7,10 @@ engine cache.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+import re
 import threading
 import time
 from typing import Iterator
@@ -21,13 +25,66 @@ from .headline import headline_html, progress_html
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import esc, legend_html, sdsat_html, vanilla_html, waiting_html
-from .settings import Limits, RunRequest, SettingError, check_prompt_ids, check_request
+from .settings import Limits, RunRequest, SettingError, check_flag, check_iteration, check_prompt_ids, check_request
+
+log = logging.getLogger(__name__)
 
 # The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
                 "explorer_slider", "explorer", "record", "run_data")
 REPLAY_FPS = 12
 MAX_REPLAY_S = 60.0
+SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
+
+
+_SERVER_PATH = re.compile(r"(?<![\w@.~-])/(?:[\w.@~-]+/)*[\w.@~-]+")
+
+
+def without_paths(text: str) -> str:
+    """`text` with absolute file-system paths replaced: a visitor learns what failed, not where files are."""
+    return _SERVER_PATH.sub("<server path>", text)
+
+
+def invalid(err: SettingError) -> gr.Error:
+    """A visitor's bad setting, as the visitor sees it; not a server fault, so no traceback in the log."""
+    return gr.Error(str(err), title="Invalid setting", print_exception=False)
+
+
+def visitor_errors(handler):
+    """Whatever goes wrong reaches the visitor as a gr.Error with a message, never as Gradio's bare
+    `{"error": null}`; the details (which may hold server paths) go to the server's log only."""
+    def convert(err: Exception) -> gr.Error:
+        log.exception("%s failed", handler.__name__)
+        return gr.Error(SERVER_ERROR, title="Server error")
+
+    if inspect.isgeneratorfunction(handler):
+        @functools.wraps(handler)
+        def wrapped(*args, **kwargs):
+            try:
+                yield from handler(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:
+                raise convert(err) from None
+    elif inspect.iscoroutinefunction(handler):
+        @functools.wraps(handler)
+        async def wrapped(*args, **kwargs):
+            try:
+                return await handler(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:
+                raise convert(err) from None
+    else:
+        @functools.wraps(handler)
+        def wrapped(*args, **kwargs):
+            try:
+                return handler(*args, **kwargs)
+            except gr.Error:
+                raise
+            except Exception as err:
+                raise convert(err) from None
+    return wrapped
 
 
 class Page:
@@ -54,11 +111,15 @@ class Page:
         try:
             return self.cache.get(model)
         except SettingError as err:
-            raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
+            raise invalid(err) from err
         except ModelLoadError as err:
-            raise gr.Error(f"The model {model!r} could not be loaded: {err}. The next request tries again.",
-                           title="Model unavailable", print_exception=False) from err
+            # The reason says what to do (install a package, reach the Hub, fix a folder); server paths in it
+            # go to the log only.
+            log.error("model %r could not be loaded: %s", model, err)
+            raise gr.Error(f"The model {model!r} could not be loaded: {without_paths(str(err))}. The next request "
+                           "tries again.", title="Model unavailable", print_exception=False) from None
 
+    @visitor_errors
     def model_controls(self, model: str) -> tuple:
         """The controls that depend on `model`: (k slider, chat checkbox, chat examples), loading it if needed.
 
@@ -70,13 +131,14 @@ class Page:
         return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=min(DecodeConfig.k, engine.max_k)),
                 gr.update(visible=chat, value=False), gr.update(visible=chat))
 
+    @visitor_errors
     def model_controls_if_loaded(self, model: str) -> tuple:
         """On page load: the controls of an already loaded model, without waiting behind running races
         (or loads); a model whose last load failed says why in the headline."""
         if self.cache.is_loaded(model):
             return (*self.model_controls(model), gr.skip())
         failure = self.cache.failure(model)
-        note = (gr.update(value=f'<div class="check bad">The model could not be loaded: {esc(failure)}. '
+        note = (gr.update(value=f'<div class="check bad">The model could not be loaded: {esc(without_paths(failure))}. '
                                 'The next race tries again.</div>') if failure else gr.skip())
         return gr.skip(), gr.skip(), gr.skip(), note
 
@@ -90,19 +152,21 @@ class Page:
             check_request(self.limits, None, **settings)
             engine = self._engine(model)
             request = check_request(self.limits, engine.max_k, **settings)
+            if request.chat and not getattr(engine.tokenizer, "chat_template", None):
+                raise SettingError(f"chat must be false for {model}: this model has no chat template")
             prompt_ids = engine.encode(request.prompt, chat=request.chat)
             check_prompt_ids(self.limits, prompt_ids, request, max_context(engine))
-        except gr.Error:  # a ValueError too, already worded for the visitor
-            raise
-        except (SettingError, ValueError) as err:
-            raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
+        except SettingError as err:  # only our own messages: a ValueError from deeper down may name server paths
+            raise invalid(err) from None
         return engine, request, prompt_ids
 
     # -- the race ------------------------------------------------------------------------------
+    @visitor_errors
     def run(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, show_rejected=False,
             lookup_tokens=0, tree_candidates=0) -> Iterator[tuple]:
         """Race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order."""
         skip = gr.skip()
+        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if not self.cache.is_loaded(model) and model in self.limits.models:
             yield (progress_html(None, f"Loading {model}… (first start of a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
@@ -144,27 +208,33 @@ class Page:
             record.to_dict(),
         )
 
+    @visitor_errors
     def sdsat_pane(self, record: RaceRecord | None, show_rejected: bool) -> str:
+        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if record is None:
             return waiting_html("Run a prompt to see the SDSAT output here.")
-        return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, bool(show_rejected),
+        return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, show_rejected,
                           record.special_ids)
 
     # -- after a race: explorer and replay -----------------------------------------------------
     @staticmethod
+    @visitor_errors
     def explore(record: RaceRecord | None, iteration) -> str:
         """The explorer at `iteration` (1-based, as the slider shows it)."""
-        return explorer.explorer_html(record, int(iteration or 1) - 1)
+        return explorer.explorer_html(record, min(_checked(check_iteration, iteration), _iterations(record)) - 1)
 
     @staticmethod
+    @visitor_errors
     def step(record: RaceRecord | None, iteration, delta: int) -> tuple:
         """Move the explorer by `delta` iterations: (slider value, explorer HTML)."""
-        n = len(record.sdsat.steps) if record is not None else 1
-        i = max(1, min(int(iteration or 1) + delta, n))
+        n = _iterations(record)
+        i = max(1, min(_checked(check_iteration, iteration) + delta, n))
         return i, explorer.explorer_html(record, i - 1)
 
+    @visitor_errors
     def replay(self, record: RaceRecord | None, show_rejected: bool) -> Iterator[tuple]:
         """Both outputs growing on one clock at their measured speed: (status, vanilla, sdsat)."""
+        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if record is None:
             raise gr.Error("Run a prompt first; the replay shows its recorded timings.", title="Nothing to replay")
         v, s = record.vanilla, record.sdsat
@@ -185,6 +255,7 @@ class Page:
         yield headline_html(record), gr.skip(), gr.skip()
 
     # -- API -------------------------------------------------------------------------------------
+    @visitor_errors
     async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = DecodeConfig.k,
                        max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                        seed: int = 0, lookup_tokens: int = 0, tree_candidates: int = 0) -> dict:
@@ -223,7 +294,21 @@ class Page:
         finally:
             cancel.set()
             snaps.close()
+        if snap is None or snap.phase != "done":  # cancelled: the race stopped before its SDSAT phase
+            raise gr.Error("The request was cancelled before both decoders ran.", title="Cancelled")
         return make_record(engine, request, prompt_ids, snap).to_dict()
+
+
+def _iterations(record: RaceRecord | None) -> int:
+    return len(record.sdsat.steps) if record is not None else 1
+
+
+def _checked(check, *args):
+    """`check(*args)`, its SettingError shown to the visitor as an invalid setting."""
+    try:
+        return check(*args)
+    except SettingError as err:
+        raise invalid(err) from None
 
 
 def legend() -> str:

@@ -91,10 +91,14 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
 
     Each decoder may use `time_limit_s / 2` seconds of wall time; it then stops between two
     iterations with stop_reason "cancelled", as it does when `cancel` is set or the generator is closed.
+    Once `cancel` is set no further decoder starts, and the generator ends without a "done" snapshot.
     """
     cancel = cancel or threading.Event()
     snap = RaceSnapshot("vanilla", {m: [] for m in PHASES}, {m: [] for m in PHASES})
     for method in PHASES:
+        if cancel.is_set():  # Stop, or an API call given up: nobody is waiting for the next decoder
+            return
+        _wait_for_abandoned()
         snap.phase = method
         deadline = time.monotonic() + time_limit_s / 2
         events: queue.Queue = queue.Queue()
@@ -125,15 +129,33 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
                     last_yield = time.monotonic()
                     yield snap
         finally:
-            # Stop, disconnect or an error: the worker stops at its next iteration boundary; wait for
-            # it so that the next request never shares the CPU with an abandoned one.
+            # Stop, disconnect or an error: the worker stops at its next iteration boundary. Gradio closes
+            # this generator on its event loop, so it is not joined here (that would stall every visitor
+            # for up to a forward pass); the next race waits for it before decoding, in its own thread,
+            # so that no request shares the CPU with an abandoned one.
             if method not in snap.results:
                 cancel.set()
-            worker.join(timeout=30)
+            if worker.is_alive():
+                with _ABANDONED_LOCK:
+                    _ABANDONED.append(worker)
         if method not in snap.results:
             raise RuntimeError(f"the {method} decoder ended without a result")
     snap.phase = "done"
     yield snap
+
+
+# Decoder threads of closed races, still finishing their last iteration (see the `finally` in `race`).
+_ABANDONED: list[threading.Thread] = []
+_ABANDONED_LOCK = threading.Lock()
+
+
+def _wait_for_abandoned(timeout: float = 30.0) -> None:
+    """Join the decoders of closed races; called from a race's own thread, never the event loop."""
+    with _ABANDONED_LOCK:
+        workers = list(_ABANDONED)
+        _ABANDONED.clear()
+    for worker in workers:
+        worker.join(timeout)
 
 
 def _drain(engine: Engine, prompt_ids, config, should_stop, events: queue.Queue) -> None:

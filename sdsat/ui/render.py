@@ -20,6 +20,11 @@ SOURCE_LABEL = {
 }
 # Control characters become their visible "control pictures" (U+2400 block); \n and \t stay as layout.
 _CONTROL = {c: chr(0x2400 + c) for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\u2421"}
+# C1 controls (U+0080..U+009F; U+0085 breaks lines in some renderers), the bidirectional controls that can
+# make text read differently from its code points (a "Trojan Source" right-to-left override), and the
+# Unicode line separators have no picture: they are shown as their code point, e.g. ⟨U+202E⟩.
+_INVISIBLE = [*range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x2028, 0x2029]
+_CONTROL |= {c: f"\u27e8U+{c:04X}\u27e9" for c in _INVISIBLE}
 
 
 def esc(text: str) -> str:

@@ -14,13 +14,14 @@ from typing import Mapping
 
 from ..decoding import MAX_LOOKUP_TOKENS, MAX_TREE_CANDIDATES, DecodeConfig
 from ..models import DEFAULT_MODEL
-from ..sampling import SamplingConfig
+from ..sampling import MIN_TEMPERATURE, SamplingConfig
 
 MODES = ("greedy", "sampling")
 MAX_SEED = 2**31 - 1
 MAX_TEMPERATURE = 5.0
 MAX_TOP_K = 1000
 QUANTIZATIONS = ("none", "4bit", "8bit")
+MAX_ITERATIONS = 100_000  # the explorer's slider: far above any race's iterations
 
 
 class SettingError(ValueError):
@@ -38,6 +39,10 @@ class Limits:
     time_limit_s: float = 90.0  # SDSAT_TIME_LIMIT: wall seconds per request; each decoder gets half
     concurrency: int = 1  # SDSAT_CONCURRENCY: requests decoding at once (one shared model)
     queue_size: int = 32  # SDSAT_QUEUE_SIZE: requests waiting beyond that are turned away (a burst of 20 waits)
+    # A finished race is kept for its visitor's explorer and replay (about 270 KB): for this long after
+    # the visitor's last race, and for at most this many visitors, the oldest dropped first.
+    state_ttl_s: float = 1800.0  # SDSAT_STATE_TTL
+    max_sessions: int = 1000  # SDSAT_MAX_SESSIONS
     device: str = "auto"  # SDSAT_DEVICE: auto, cpu, cuda or mps
     dtype: str = "auto"  # SDSAT_DTYPE: auto, float32, float16 or bfloat16 (auto: a known checkpoint's own on a GPU)
     quantization: str | None = None  # SDSAT_QUANTIZATION: none, 4bit or 8bit (bitsandbytes, CUDA only)
@@ -65,6 +70,8 @@ class Limits:
             ("SDSAT_CONCURRENCY", "concurrency", int, 1),
             ("SDSAT_QUEUE_SIZE", "queue_size", int, 1),
             ("SDSAT_LOAD_RETRY_S", "load_retry_s", float, 0),
+            ("SDSAT_STATE_TTL", "state_ttl_s", float, 1),
+            ("SDSAT_MAX_SESSIONS", "max_sessions", int, 1),
         ):
             if name in env:
                 try:
@@ -113,61 +120,103 @@ class RunRequest:
 
 
 def _integer(name: str, value, low: int, high: int) -> int:
-    """`value` as an int in [low, high]; floats must be whole numbers (API callers send anything)."""
-    if isinstance(value, bool) or value is None:
-        raise SettingError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
+    """`value` as an int in [low, high]; floats and numeric strings must be whole numbers (API callers send anything)."""
+    wrong = SettingError(f"{name} must be a whole number between {low} and {high}, got {_shown(value)}")
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
-            raise SettingError(f"{name} must be a whole number between {low} and {high}, got {value!r}") from None
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value != int(value):
-        raise SettingError(f"{name} must be a whole number between {low} and {high}, got {value!r}")
-    if not low <= int(value) <= high:
-        raise SettingError(f"{name} must be between {low} and {high}, got {int(value)}")
-    return int(value)
+            raise wrong from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # bool is an int to Python, not to a visitor
+        raise wrong
+    if isinstance(value, float):
+        # -0.0, NaN, inf and 1e300 are floats; an int of any size is compared exactly, never through float().
+        if not math.isfinite(value) or value != int(value):
+            raise wrong
+        value = int(value)
+    if not low <= value <= high:
+        raise SettingError(f"{name} must be between {low} and {high}, got {_shown(value)}")
+    return value
 
 
-def _real(name: str, value, low: float, high: float, low_open: bool) -> float:
+def _real(name: str, value, low: float, high: float, low_open: bool = False) -> float:
+    """`value` as a finite float in [low, high] (or (low, high] when `low_open`)."""
     bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise SettingError(f"{name} must be a number in {bound}, got {_shown(value)}")
     try:
         value = float(value)
-    except (TypeError, ValueError):
-        raise SettingError(f"{name} must be a number in {bound}, got {value!r}") from None
+    except (ValueError, OverflowError):  # "abc", or an int beyond float's range
+        raise SettingError(f"{name} must be a number in {bound}, got {_shown(value)}") from None
     if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
         raise SettingError(f"{name} must be in {bound}, got {value}")
     return value
 
 
+def _flag(name: str, value) -> bool:
+    """A checkbox: only a JSON boolean (or the strings "true" / "false"); bool("false") would be True."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise SettingError(f"{name} must be true or false, got {_shown(value)}")
+
+
+def _shown(value, limit: int = 60) -> str:
+    """A visitor's value for an error message: its repr, cut short (a 1 MB list must not come back)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        # counted from its bits: str() of an int beyond 4300 digits raises in Python 3.11
+        return f"a {len(str(abs(value)))}-digit number" if value.bit_length() < 14000 else "a number of over 4000 digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def check_flag(name: str, value) -> bool:
+    """A page checkbox other than the request's own (show rejected drafts)."""
+    return _flag(name, value)
+
+
+def check_iteration(value) -> int:
+    """The explorer's slider: a whole number from 1 (the handler clamps it to the race it shows, which may
+    have expired since the slider was drawn)."""
+    return _integer("iteration", value, 1, MAX_ITERATIONS)
+
+
 def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mode, k, max_new_tokens,
                   temperature, top_p, top_k, seed, lookup_tokens=0, tree_candidates=0) -> RunRequest:
-    """Check every setting a visitor sent; raises SettingError naming the first bad one.
+    """Check every setting a visitor sent, by type and range; raises SettingError naming the first bad one.
 
-    `max_k` is the chosen model's largest k (None: not known yet, checked again once it is loaded).
+    Every setting is checked whatever the mode, so a value the request ignores (the temperature of a
+    greedy run) is still refused when it is not a valid value. `max_k` is the chosen model's largest k
+    (None: not known yet, checked again once it is loaded).
     """
-    if model not in limits.models:
-        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); got {model!r}")
-    if not isinstance(prompt, str) or prompt == "":
+    if not isinstance(model, str) or model not in limits.models:
+        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); got {_shown(model)}")
+    if not isinstance(prompt, str):
+        raise SettingError(f"prompt must be text, got {_shown(prompt)}")
+    if prompt == "":
         raise SettingError("prompt is empty: type some text for the model to continue")
     if len(prompt) > limits.max_prompt_chars:
         raise SettingError(f"prompt must be at most {limits.max_prompt_chars} characters, got {len(prompt)}")
-    if mode not in MODES:
-        raise SettingError(f"decoding must be one of {', '.join(MODES)}, got {mode!r}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
+        raise SettingError(f"prompt must be valid Unicode text; it has an unpaired surrogate at character {err.start}") from None
+    chat = _flag("chat", chat)
+    if not isinstance(mode, str) or mode not in MODES:
+        raise SettingError(f"mode (decoding) must be one of {', '.join(MODES)}, got {_shown(mode)}")
     k = _integer("k (adaptive tokens per step)", k, 1, max_k or 64)
     max_new_tokens = _integer("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
     lookup_tokens = _integer("prompt lookup tokens", lookup_tokens, 0, MAX_LOOKUP_TOKENS)
     tree_candidates = _integer("draft tree candidates", tree_candidates, 0, MAX_TREE_CANDIDATES)
+    sampled = SamplingConfig(do_sample=True, temperature=_real("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE),
+                             top_p=_real("top-p", top_p, 0.0, 1.0, low_open=True), top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
+                             seed=_integer("seed", seed, 0, MAX_SEED))
     sampling = SamplingConfig()
     if mode == "sampling":
-        sampling = SamplingConfig(
-            do_sample=True,
-            temperature=_real("temperature", temperature, 0.0, MAX_TEMPERATURE, low_open=True),
-            top_p=_real("top-p", top_p, 0.0, 1.0, low_open=True),
-            top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
-            seed=_integer("seed", seed, 0, MAX_SEED),
-        )
+        sampling = sampled
         tree_candidates = 0  # a draft tree is greedy only: sampling verifies the chain, and the record says so
-    return RunRequest(prompt=prompt, model=model, chat=bool(chat), mode=mode, k=k, max_new_tokens=max_new_tokens,
+    return RunRequest(prompt=prompt, model=model, chat=chat, mode=mode, k=k, max_new_tokens=max_new_tokens,
                       sampling=sampling, lookup_tokens=lookup_tokens, tree_candidates=tree_candidates)
 
 
