@@ -8,7 +8,6 @@ engine cache.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Iterator
 
 import anyio.to_thread
@@ -26,8 +25,6 @@ from .settings import Limits, RunRequest, SettingError, check_prompt_ids, check_
 # The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
                 "explorer_slider", "explorer", "record", "run_data")
-REPLAY_FPS = 12
-MAX_REPLAY_S = 60.0
 
 
 class Page:
@@ -123,7 +120,7 @@ class Page:
         return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, bool(show_rejected),
                           record.special_ids)
 
-    # -- after a race: explorer and replay -----------------------------------------------------
+    # -- after a race: the explorer -----------------------------------------------------
     @staticmethod
     def explore(record: RaceRecord | None, iteration) -> str:
         """The explorer at `iteration` (1-based, as the slider shows it)."""
@@ -135,27 +132,6 @@ class Page:
         n = len(record.sdsat.steps) if record is not None else 1
         i = max(1, min(int(iteration or 1) + delta, n))
         return i, explorer.explorer_html(record, i - 1)
-
-    def replay(self, record: RaceRecord | None, show_rejected: bool) -> Iterator[tuple]:
-        """Both outputs growing on one clock at their measured speed: (status, vanilla, sdsat)."""
-        if record is None:
-            raise gr.Error("Run a prompt first; the replay shows its recorded timings.", title="Nothing to replay")
-        v, s = record.vanilla, record.sdsat
-        total = min(max(v.seconds, s.seconds), MAX_REPLAY_S)
-        start = time.monotonic()
-        while True:
-            now = min(time.monotonic() - start, total)
-            vs = [st for st in v.steps if st.elapsed <= now]
-            ss = [st for st in s.steps if st.elapsed <= now]
-            vn, sn = sum(len(x.tokens) for x in vs), sum(len(x.tokens) for x in ss)
-            status = (f'<div class="headline running"><div class="status">Replay at true speed: {now:5.2f} s · '
-                      f'vanilla {vn} tokens · SDSAT {sn} tokens</div></div>')
-            yield (status, vanilla_html(vs, record.pieces["vanilla"][:vn], record.special_ids),
-                   sdsat_html(ss, record.pieces["sdsat"][:sn], record.vocab, bool(show_rejected), record.special_ids))
-            if now >= total:
-                break
-            time.sleep(1 / REPLAY_FPS)
-        yield headline_html(record), gr.skip(), gr.skip()
 
     # -- API -------------------------------------------------------------------------------------
     async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = DecodeConfig.k,
