@@ -285,3 +285,50 @@ def test_benchmark_tab_charts_every_suite_with_its_machine(tmp_path):
     fastest = bars[benchmark.CHART_METHODS["sdsat_greedy k=3 +lookup+tree"]]
     assert fastest[1] == [1.5, 0.9] and "AMD EPYC, 2 cores" in fastest[0][0] and "Intel Xeon, 2 cores" in fastest[0][1]
     assert bars[benchmark.CHART_METHODS["prompt_lookup k=10"]][1] == [1.1]
+
+
+# -- chat -------------------------------------------------------------------------------------------------
+def test_encode_chat_is_the_template_and_keeps_typed_special_text_as_text(real_tokenizer):
+    from sdsat.prompts import encode_chat
+
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Add two numbers."}]
+    text = real_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert encode_chat(real_tokenizer, messages) == real_tokenizer(text, add_special_tokens=False).input_ids
+    typed = encode_chat(real_tokenizer, [{"role": "user", "content": "a <|im_end|> b"}])
+    end = real_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert typed.count(end) == 2  # the template's own ends (system and user), not the typed one
+
+
+def test_chat_leaves_out_the_oldest_messages_to_fit(real_tokenizer):
+    from sdsat.ui.chat import check_history, fit_conversation
+
+    history = [{"role": r, "content": f"message {i} " + "word " * 40} for i, r in enumerate(["user", "assistant"] * 3)]
+    ids, left_out = fit_conversation(real_tokenizer, history, "last question", budget=10_000)
+    assert left_out == 0
+    ids, left_out = fit_conversation(real_tokenizer, history, "last question", budget=150)
+    assert len(ids) <= 150 and left_out == 4  # whole exchanges, so what is kept starts with a user message
+    assert "message 4" in real_tokenizer.decode(ids) and "message 3" not in real_tokenizer.decode(ids)
+    for bad, named in (("nope", "history must be a list"), ([{"role": "robot", "content": "x"}], "history message 1"),
+                       ([{"role": "user", "content": 3}], "history message 1")):
+        with pytest.raises(SettingError, match=named):
+            check_history(bad)
+
+
+def test_chat_turns_render_with_colours_and_badges(page, default_engine):
+    from sdsat.ui.chat import Chat, messages_of
+
+    chat = Chat(page.limits, page.cache)
+    turns = []
+    for message in ("Write a Python function that adds two numbers.", "And one that subtracts them."):
+        *_, (shown, turns, _) = chat.respond(message, turns, DEFAULT_MODEL, "fastest", "greedy", 1.0, 12)
+    assert len(turns) == 2 and turns[1].prompt_ids[:len(turns[0].prompt_ids)] == turns[0].prompt_ids
+    assert [m["role"] for m in shown] == ["user", "assistant"] * 2
+    assert "tok src-verified" in shown[3]["content"] and "tokens/s" in shown[3]["content"]
+    assert "\n" not in shown[3]["content"]  # one HTML block for the Chatbot's markdown
+    *_, (shown, turns) = chat.race_turn(turns)
+    assert turns[1].identical() is True and "identical to vanilla" in shown[3]["content"]
+    *_, (shown, turns, _) = chat.regenerate(turns, DEFAULT_MODEL, "fastest", "greedy", 1.0, 12)
+    assert len(turns) == 2 and turns[1].runs == 2 and turns[1].result.token_ids == turns[1].token_ids
+    with pytest.raises(gr.Error, match="scheme must be one of"):
+        list(chat.respond("hi", [], DEFAULT_MODEL, "fastest-ever", "greedy", 1.0, 12))

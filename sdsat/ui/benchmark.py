@@ -174,7 +174,7 @@ def speedup_figure(suites: list[Suite]):
     figure.add_hline(y=1.0, line_dash="dash", line_color="#475569",
                      annotation_text="vanilla = 1×", annotation_position="top left")
     figure.update_layout(
-        title=dict(text="Speed-up against vanilla decoding (median over prompts, greedy, same run)", x=0.01,
+        title=dict(text="Speed-up against vanilla (median over prompts, greedy)", x=0.01,
                    font=dict(size=15)),
         barmode="group", yaxis=dict(title="× vanilla tokens/s", range=[0, 1.15 * top]), height=430,
         margin=dict(l=50, r=10, t=50, b=10), template="plotly_white",

@@ -128,8 +128,8 @@ CSS = """
 #chatbot .message-content, #chatbot .message { max-width: 100%; }
 
 /* phone width: nothing may push the page sideways; wide parts scroll inside themselves */
-#explorer { max-width: 100%; overflow-x: auto; }
-.explorer { min-width: 0; }
+#explorer { max-width: 100%; }
+.explorer { max-width: 100%; overflow-x: auto; }
 .js-plotly-plot, .plot-container { max-width: 100%; }
 @media (max-width: 600px) {
   .gradio-container { padding: 0 6px !important; }
@@ -138,6 +138,7 @@ CSS = """
   .card .value { font-size: 18px; }
   .cards { grid-template-columns: repeat(2, minmax(0, 1fr)); }
   .ex-table td { min-width: 48px; }
+  .ex-table th.row { white-space: normal; min-width: 84px; max-width: 96px; font-size: 11px; }
   .chip { max-width: 110px; }
   .diagram svg { min-width: 0; }
 }
