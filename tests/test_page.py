@@ -382,6 +382,7 @@ def test_browser_phone_width_has_no_sideways_scroll(server):
             page.goto(server)
             _run_race(page, "24")
             page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
+            page.evaluate("document.querySelector('.headline').scrollIntoView()")
             page.screenshot(path=str(SCREENS / "phone_race.png"))
             width = "Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)"
             assert page.evaluate(width) <= 390
