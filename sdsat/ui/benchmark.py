@@ -151,34 +151,36 @@ def short_machine(machine: str) -> str:
 
 
 def speedup_figure(suites: list[Suite]):
-    """Grouped bars: the median speed-up against vanilla per suite (its machine under its name) and method."""
+    """Horizontal grouped bars: the median speed-up against vanilla per suite (its machine under its name)
+    and method. Horizontal, so that suite names and values stay readable at phone width."""
     import plotly.graph_objects as go
 
     figure = go.Figure()
     labels = [f"{s.key}<br><sub>{esc(short_machine(s.machine))}</sub>" for s in suites]
     for (method, name), colour in zip(CHART_METHODS.items(), CHART_COLOURS):
-        xs, ys, hover = [], [], []
+        suite_labels, values, hover = [], [], []
         for suite, label in zip(suites, labels):
             row = next((r for r in suite.rows if r.get("method") == method), None)
             if row is None or not isinstance(row.get(SPEEDUP), (int, float)):
                 continue
-            xs.append(label)
-            ys.append(row[SPEEDUP])
+            suite_labels.append(label)
+            values.append(row[SPEEDUP])
             rate = row.get("tokens/s")
             hover.append(f"{esc(suite.title)}<br>{esc(suite.machine or 'machine not recorded')}"
                          + (f"<br>{rate:.1f} tokens/s" if isinstance(rate, (int, float)) else ""))
-        if xs:
-            figure.add_bar(x=xs, y=ys, name=name, marker_color=colour, text=[f"{y:.2f}×" for y in ys],
-                           textposition="outside", hovertext=hover, hovertemplate="%{hovertext}<br>%{y:.2f}× vanilla<extra></extra>")
-    top = max([y for trace in figure.data for y in trace.y] + [1.0])
-    figure.add_hline(y=1.0, line_dash="dash", line_color="#475569",
-                     annotation_text="vanilla = 1×", annotation_position="top left")
+        if values:
+            figure.add_bar(y=suite_labels, x=values, orientation="h", name=name, marker_color=colour,
+                           text=[f"{v:.2f}×" for v in values], textposition="outside", cliponaxis=False,
+                           hovertext=hover, hovertemplate="%{hovertext}<br>%{x:.2f}× vanilla<extra></extra>")
+    top = max([v for trace in figure.data for v in trace.x] + [1.0])
+    figure.add_vline(x=1.0, line_dash="dash", line_color="#475569")
     figure.update_layout(
-        title=dict(text="Speed-up against vanilla (median over prompts, greedy)", x=0.01,
-                   font=dict(size=15)),
-        barmode="group", yaxis=dict(title="× vanilla tokens/s", range=[0, 1.15 * top]), height=430,
-        margin=dict(l=50, r=10, t=50, b=10), template="plotly_white",
-        legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
+        title=dict(text="Speed-up against vanilla", x=0.01, font=dict(size=15)),
+        barmode="group", bargap=0.25, height=560, template="plotly_white",
+        xaxis=dict(title="× vanilla tokens/s (median over prompts)", range=[0, 1.15 * top]),
+        yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels),
+        margin=dict(l=10, r=10, t=40, b=10),
+        legend=dict(orientation="h", yanchor="top", y=-0.12, x=0, traceorder="normal"))
     return figure
 
 
