@@ -332,3 +332,10 @@ def test_chat_turns_render_with_colours_and_badges(page, default_engine):
     assert len(turns) == 2 and turns[1].runs == 2 and turns[1].result.token_ids == turns[1].token_ids
     with pytest.raises(gr.Error, match="scheme must be one of"):
         list(chat.respond("hi", [], DEFAULT_MODEL, "fastest-ever", "greedy", 1.0, 12))
+    # Stop while a reply decodes: its text so far stays, marked as stopped, and the next turn builds on it.
+    replies = chat.respond("Count from one to twenty in words.", turns, DEFAULT_MODEL, "paper", "greedy", 1.0, 24)
+    next(replies)
+    _, partial, _ = next(replies)
+    replies.close()
+    shown, turns = chat.stopped(partial)
+    assert len(turns) == 3 and turns[2].stopped and "stopped after" in shown[5]["content"]
