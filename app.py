@@ -55,7 +55,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 with gr.Row():
                     run_btn = gr.Button("Run the race", variant="primary", scale=2)
                     stop_btn = gr.Button("Stop", variant="stop", scale=1)
-                gr.Examples(EXAMPLES, inputs=[prompt, chat], label="Examples (what each gives was checked on this model)",
+                gr.Examples(EXAMPLES, inputs=[prompt, chat],
+                            label="Examples (what each gives was checked on this model)",
                             example_labels=EXAMPLE_LABELS)
                 scheme = gr.Radio([*SCHEME_LABELS, CUSTOM], value=DEFAULT_SCHEME, label="Scheme", elem_id="scheme",
                                   info="fastest: the settings measured fastest (README, Results), beyond the paper. "
@@ -66,7 +67,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                     k = gr.Slider(1, 8, value=FASTEST["k"], step=1, label="k: adaptive tokens (drafts) per step")
                     max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
                                         label="Max new tokens", elem_id="max-new")
-                    lookup = gr.Slider(0, 16, value=FASTEST["lookup_tokens"], step=1, label="Prompt lookup: copied tokens to verify (0 = off)",
+                    lookup = gr.Slider(0, 16, value=FASTEST["lookup_tokens"], step=1,
+                                       label="Prompt lookup: copied tokens to verify (0 = off)",
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "
                                             "Fast on code, which repeats its names; outputs stay identical.")
@@ -130,11 +132,11 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             run_data = gr.JSON(label="Run data")
 
     with gr.Tab("Chat"):
-        gr.Markdown("A conversation in which **every reply is decoded by SDSAT** (with the Scheme below), coloured "
-                    "like the race: hover a token for its step and probability. The badge under a reply gives its "
-                    "tokens/s and tokens per forward pass. The check against vanilla decoding runs **only when you "
-                    "press *Race this turn***, so a reply arrives as fast as SDSAT gives it and your next message never "
-                    "waits behind a check. The conversation goes through the model's chat template; when it outgrows "
+        gr.Markdown("A conversation in which **every reply is decoded by SDSAT** (the fastest scheme; see Chat "
+                    "settings), coloured like the race: hover a token for its step and probability. The badge under a "
+                    "reply gives its tokens/s and tokens per forward pass. The check against vanilla decoding runs "
+                    "**only when you press *Race this turn***, so a reply arrives as fast as SDSAT gives it and your "
+                    "next message never waits behind a check. The conversation goes through the model's chat template; when it outgrows "
                     "the prompt limit the oldest messages are left out, and the reply says so.")
         turns = gr.State([])  # this visitor's conversation (ChatTurn records)
         chatbot = gr.Chatbot(elem_id="chatbot", height=480, show_label=False, feedback_options=None,

@@ -128,7 +128,8 @@ def load_suite(folder: Path, key: str, title: str, download_dir: Path | None = N
     try:
         summary = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        return Suite(key, title, "", [], f'<div class="check bad">{esc(str(path.name))} is unreadable: {esc(str(err))}</div>')
+        return Suite(key, title, "", [],
+                     f'<div class="check bad">{esc(str(path.name))} is unreadable: {esc(str(err))}</div>')
     rows, notes = _rows_of(summary)
     machine = str(notes.get("machine", "")) if isinstance(notes, dict) else ""
     parts = [table_html(rows)] if rows else ['<div class="check info">summary.json holds no rows.</div>']
@@ -196,6 +197,6 @@ def bench_page(folder: Path = BENCH_DIR, suites: dict[str, tuple[str, str]] = SU
              + " by the project's benchmark (`assets/bench/`, not recomputed here); a different CPU can give "
              "different speed-ups. The **Race** tab measures your own run, on the machine serving this page.")
     if not found:
-        return BenchPage(intro, None, [], '<div class="check info">No benchmark results yet. They appear here once '
-                                          "the project's benchmark has written <code>assets/bench/summary.json</code>.</div>")
+        return BenchPage(intro, None, [], '<div class="check info">No benchmark results yet. They appear here once the '
+                                          "project's benchmark has written <code>assets/bench/summary.json</code>.</div>")
     return BenchPage(intro, speedup_figure(found), found)

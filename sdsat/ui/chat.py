@@ -91,9 +91,10 @@ def check_history(history) -> list[dict]:
         raise SettingError(f"history must be a list of {{role, content}} messages, got {type(history).__name__}")
     messages = []
     for i, message in enumerate(history, start=1):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise SettingError(f"history message {i} must be {{\"role\": one of {', '.join(ROLES)}, \"content\": text}}, "
-                               f"got {str(message)[:80]!r}")
+        if (not isinstance(message, dict) or message.get("role") not in ROLES
+                or not isinstance(message.get("content"), str)):
+            raise SettingError(f"history message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
+                               f"\"content\": text}}, got {str(message)[:80]!r}")
         messages.append({"role": message["role"], "content": message["content"]})
     return messages
 
@@ -118,7 +119,8 @@ def left_out_notice(left_out: int, request: RunRequest, prompt_tokens: int) -> s
     if not left_out:
         return ""
     return (f"{left_out} earlier message{'s' if left_out != 1 else ''} left out: the conversation must fit the "
-            f"prompt limit with room for {request.max_new_tokens} new tokens (this turn's prompt: {prompt_tokens} tokens).")
+            f"prompt limit with room for {request.max_new_tokens} new tokens "
+            f"(this turn's prompt: {prompt_tokens} tokens).")
 
 
 # -- the page's view of a conversation ------------------------------------------------------------
