@@ -15,40 +15,31 @@ import gradio as gr
 
 from sdsat import ASSETS
 from sdsat.checkpoints import known_checkpoint
-from sdsat.decoding import MAX_TREE_CANDIDATES, DecodeConfig
-from sdsat.ui.benchmark import load_suites
+from sdsat.decoding import MAX_TREE_CANDIDATES
+from sdsat.ui.benchmark import bench_page, short_machine
+from sdsat.ui.chat import Chat
 from sdsat.ui.events import close_direct_routes
+from sdsat.ui.examples import CHAT_EXAMPLES, EXAMPLE_LABELS, EXAMPLES
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
+from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, scheme_of, scheme_settings
 from sdsat.ui.render import legend_html, waiting_html
+from sdsat.ui.replay import REPLAY_JS, REPLAY_STATUS
 from sdsat.ui.settings import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, Limits
 from sdsat.ui.style import LAUNCH
 from sdsat.ui.zerogpu import on_zero_gpu
 
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
 HOW_IT_WORKS = ASSETS / "how_it_works.md"
-MAX_BENCH_PLOTS = 12  # plotly figures saved as JSON (the shipped suites show PNGs); more are not drawn
 
 limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors
-
-CODE_EXAMPLES = {
-    "fibonacci (code)": ['def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False],
-    "palindrome (code)": ["def is_palindrome(s: str) -> bool:\n", False],
-    "softmax (code)": ["import numpy as np\n\n\ndef softmax(x):\n", False],
-    "web page (HTML)": ["<!-- a tiny web page -->\n<html>\n<head>\n  <title>", False],
-}
-CHAT_EXAMPLES = {
-    "explain (chat)": ["Explain speculative decoding to a student in three sentences.", True],
-    "prime check (chat)": ["Write a Python function that checks whether a number is prime.", True],
-}
-EXAMPLES = list(CODE_EXAMPLES.values()) + list(CHAT_EXAMPLES.values())
+chat_page = Chat(limits, page.cache)
+bench = bench_page()  # read once at start: every visitor sees the same files, and no page load reads them again
+FASTEST = scheme_settings(DEFAULT_SCHEME)
 _checkpoint = known_checkpoint(limits.models[0])
 CHAT_SHOWN = _checkpoint is None or _checkpoint.chat  # until the model has loaded and says for itself
-
-
-# Read once at start: the results do not change while the app runs, and reading them per page load
-# (145 ms of file reads and parsing) would let any client spend the server's CPU for free.
-BENCH = load_suites()
+RAW_EXAMPLES = [(row, label) for row, label in zip(EXAMPLES, EXAMPLE_LABELS) if not row[1]]
+CHAT_PROMPT_EXAMPLES = [(row, label) for row, label in zip(EXAMPLES, EXAMPLE_LABELS) if row[1]]
 
 
 with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens") as demo:
@@ -71,22 +62,27 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 with gr.Row():
                     run_btn = gr.Button("Run the race", variant="primary", scale=2)
                     stop_btn = gr.Button("Stop", variant="stop", scale=1)
-                gr.Examples(list(CODE_EXAMPLES.values()), inputs=[prompt, chat], api_visibility="private",
-                            label="Examples: code completion, as in the paper", example_labels=list(CODE_EXAMPLES))
-                with gr.Column(visible=CHAT_SHOWN) as chat_examples:
-                    gr.Examples(list(CHAT_EXAMPLES.values()), inputs=[prompt, chat], label="Examples: chat",
-                                example_labels=list(CHAT_EXAMPLES), api_visibility="private")
+                gr.Examples([row for row, _ in RAW_EXAMPLES], inputs=[prompt, chat], api_visibility="private",
+                            label="Examples (what each gives was checked on this model)",
+                            example_labels=[label for _, label in RAW_EXAMPLES])
+                with gr.Column(visible=CHAT_SHOWN) as chat_examples:  # only for a model with a chat template
+                    gr.Examples([row for row, _ in CHAT_PROMPT_EXAMPLES], inputs=[prompt, chat], api_visibility="private",
+                                label="Chat examples", example_labels=[label for _, label in CHAT_PROMPT_EXAMPLES])
+                scheme = gr.Radio([*SCHEME_LABELS, CUSTOM], value=DEFAULT_SCHEME, label="Scheme", elem_id="scheme",
+                                  info="fastest: the settings measured fastest (README, Results), beyond the paper. "
+                                       "paper: the paper's two-step SATs alone. Both give output identical to vanilla.")
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
-                    k = gr.Slider(1, 8, value=DecodeConfig.k, step=1, label="k: adaptive tokens (drafts) per step")
+                    k = gr.Slider(1, 8, value=FASTEST["k"], step=1, label="k: adaptive tokens (drafts) per step")
                     max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
                                         label="Max new tokens", elem_id="max-new")
-                    lookup = gr.Slider(0, 16, value=0, step=1, label="Prompt lookup: copied tokens to verify (0 = off)",
+                    lookup = gr.Slider(0, 16, value=FASTEST["lookup_tokens"], step=1,
+                                       label="Prompt lookup: copied tokens to verify (0 = off)",
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "
                                             "Fast on code, which repeats its names; outputs stay identical.")
-                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=0, step=1, elem_id="tree",
+                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=FASTEST["tree_candidates"], step=1, elem_id="tree",
                                      label="Draft tree: runner-up candidates to verify too (0 = off)",
                                      info="Not in the paper, greedy only: the verify pass also checks the SATs' "
                                           "second choices, which on a CPU ride along at almost no cost.")
@@ -114,6 +110,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                             js_on_load=None, elem_id="sdsat-out", label="sdsat_output")
                 gr.HTML(legend_html(), js_on_load=None)
                 replay_btn = gr.Button("▶ Replay both on one clock, at the measured speed", size="sm")
+                gr.HTML(REPLAY_STATUS, elem_id="replay-status", js_on_load=None)
 
         gr.Markdown("### Step explorer — one SDSAT iteration: draft, then verify")
         with gr.Row():
@@ -144,19 +141,52 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
         with gr.Accordion("Run data (JSON, also returned by the API)", open=False):
             run_data = gr.JSON(label="Run data")
 
+    with gr.Tab("Chat", visible=CHAT_SHOWN):  # a conversation needs the model's chat template
+        gr.Markdown("A conversation in which **every reply is decoded by SDSAT** (the fastest scheme; see Chat "
+                    "settings), coloured like the race: hover a token for its step and probability. The badge under a "
+                    "reply gives its tokens/s and tokens per forward pass. The check against vanilla decoding runs "
+                    "**only when you press *Race this turn***, so a reply arrives as fast as SDSAT gives it and your "
+                    "next message never waits behind a check. The conversation goes through the model's chat template; when it outgrows "
+                    "the prompt limit the oldest messages are left out, and the reply says so.")
+        turns = gr.State([])  # this visitor's conversation (ChatTurn records)
+        chatbot = gr.Chatbot(elem_id="chatbot", height=480, show_label=False, feedback_options=None,
+                             placeholder="Say something, or pick an example below.", buttons=["copy"])
+        with gr.Row():
+            chat_msg = gr.Textbox(show_label=False, placeholder="Your message", lines=1, max_lines=6, scale=5,
+                                  elem_id="chat-msg", min_width=200)
+            send_btn = gr.Button("Send", variant="primary", scale=1, min_width=80)
+        with gr.Row():
+            race_turn_btn = gr.Button("Race this turn against vanilla", size="sm", min_width=150)
+            regen_btn = gr.Button("↻ Regenerate", size="sm", min_width=100)
+            chat_stop_btn = gr.Button("Stop", variant="stop", size="sm", min_width=70)
+            clear_btn = gr.Button("Clear conversation", size="sm", min_width=70)
+        gr.HTML(legend_html(False), js_on_load=None)
+        gr.Examples(CHAT_EXAMPLES, inputs=[chat_msg], label="Examples", api_visibility="private")
+        with gr.Accordion("Chat settings", open=False):
+            chat_scheme = gr.Radio(list(SCHEME_LABELS), value=DEFAULT_SCHEME, label="Scheme")
+            chat_mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
+                                 info="Greedy: Regenerate gives the same reply. Sampling (top-p 0.95, top-k 50): a new "
+                                      "one each time.")
+            chat_temperature = gr.Slider(0.05, MAX_TEMPERATURE, value=0.8, step=0.05, label="Temperature (sampling)")
+            chat_max_new = gr.Slider(1, limits.max_new_tokens, value=min(128, limits.max_new_tokens), step=1,
+                                     label="Max new tokens per reply")
+
     with gr.Tab("How it works"):
         gr.HTML(f'<div class="diagram">{DIAGRAM.read_text()}</div>' if DIAGRAM.is_file() else "", js_on_load=None)
         gr.Markdown(HOW_IT_WORKS.read_text() if HOW_IT_WORKS.is_file() else "", elem_classes="howto")
 
     with gr.Tab("Benchmark"):
-        gr.Markdown("Results of the project's benchmark, read from `assets/bench/` (not recomputed here). "
-                    "Every figure states its hardware and settings.")
-        gr.HTML(BENCH.html + BENCH.frames, js_on_load=None)
-        gr.Gallery(BENCH.images or None, label="Figures", visible=bool(BENCH.images), columns=1, height="auto",
-                   object_fit="contain")
-        for figure in BENCH.figures[:MAX_BENCH_PLOTS]:
-            gr.Plot(figure)
-        gr.File(BENCH.downloads or None, label="Result files", visible=bool(BENCH.downloads), file_count="multiple")
+        gr.Markdown(bench.intro, elem_id="bench-intro")
+        if bench.figure is not None:
+            gr.Plot(bench.figure, show_label=False, elem_id="bench-chart")
+        else:
+            gr.HTML(bench.message, js_on_load=None)
+        for suite in bench.suites:
+            with gr.Accordion(f"{suite.title} · {short_machine(suite.machine)}", open=False):
+                gr.HTML(suite.html, js_on_load=None)
+                if suite.downloads:
+                    gr.File(value=suite.downloads, file_count="multiple", label=f"{suite.key}: result files",
+                            interactive=False)
 
     # -- wiring ---------------------------------------------------------------------------------------
     outputs = dict(headline=headline, vanilla=vanilla_out, sdsat=sdsat_out, race_plot=race_plot,
@@ -168,9 +198,12 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     run_event = run_btn.click(page.run_on_gpu, inputs=[*settings, show_rejected, lookup, tree],
                               outputs=[outputs[n] for n in RACE_OUTPUTS], api_name="race",
                               concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False)
-    replay_event = replay_btn.click(page.replay, inputs=[record, show_rejected], outputs=[headline, vanilla_out, sdsat_out],
-                                    api_visibility="private", concurrency_limit=8, concurrency_id="replay")
-    stop_btn.click(None, cancels=[run_event, replay_event], api_visibility="private")
+    replay_btn.click(None, js=REPLAY_JS, api_visibility="private")  # plays in the browser: no server call
+    stop_btn.click(None, cancels=[run_event], api_visibility="private")
+    scheme.input(lambda name: tuple(scheme_settings(name).values()) if name != CUSTOM else (gr.skip(),) * 3, scheme,
+                 [k, lookup, tree], api_visibility="private")
+    for slider in (k, lookup, tree):
+        slider.input(scheme_of, [k, lookup, tree], scheme, api_visibility="private")
     show_rejected.change(page.sdsat_pane, [record, show_rejected], sdsat_out, api_visibility="private")
     mode.change(lambda m: (gr.Group(visible=m == "sampling"), gr.Slider(interactive=m == "greedy")), mode,
                 [sampling_box, tree], api_visibility="private")
@@ -181,6 +214,21 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     next_btn.click(lambda r, i: page.step(r, i, +1), [record, iteration], [iteration, explorer_out],
                    api_visibility="private", preprocess=False)
     gr.api(page.generate, api_name="generate", concurrency_limit=limits.concurrency, concurrency_id="model")
+
+    chat_inputs = [model, chat_scheme, chat_mode, chat_temperature, chat_max_new]
+    chat_events = [
+        trigger(fn, inputs, [chatbot, turns, chat_msg], api_visibility="private", concurrency_limit=limits.concurrency,
+                concurrency_id="model")
+        for trigger, fn, inputs in ((send_btn.click, chat_page.respond, [chat_msg, turns, *chat_inputs]),
+                                    (chat_msg.submit, chat_page.respond, [chat_msg, turns, *chat_inputs]),
+                                    (regen_btn.click, chat_page.regenerate, [turns, *chat_inputs]))]
+    chat_events.append(race_turn_btn.click(chat_page.race_turn, turns, [chatbot, turns], api_visibility="private",
+                                           concurrency_limit=limits.concurrency, concurrency_id="model"))
+    chat_stop_btn.click(chat_page.stopped, turns, [chatbot, turns], cancels=chat_events, api_visibility="private")
+    clear_btn.click(chat_page.clear, None, [chatbot, turns], cancels=chat_events, api_visibility="private")
+    chatbot.clear(chat_page.clear, None, [chatbot, turns], cancels=chat_events,
+                  api_visibility="private")  # the Chatbot's own bin icon
+    gr.api(chat_page.turn, api_name="chat", concurrency_limit=limits.concurrency, concurrency_id="model")
     demo.load(page.model_controls_if_loaded, model, [k, chat, chat_examples, headline], api_visibility="private")
 
 close_direct_routes(demo)

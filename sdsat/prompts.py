@@ -82,3 +82,23 @@ def eos_ids_of(model, tokenizer) -> list[int]:
             continue
         ids.update([eos] if isinstance(eos, int) else eos)
     return sorted(ids)
+
+
+def encode_chat(tokenizer, messages: Sequence[dict], allow_special: bool = False) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ready for the assistant's next turn.
+
+    `messages` are {"role": "system" | "user" | "assistant", "content": text} dicts. As in
+    `encode_prompt`, the template's own special tokens stay special while every message's text is
+    tokenized as text (``<|im_end|>`` typed by a visitor stays plain text unless `allow_special`).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use the Race tab to continue raw text")
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+    rendered = tokenizer.apply_chat_template([{"role": m["role"], "content": mark} for m, mark in zip(messages, marks)],
+                                             tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    for message, mark in zip(messages, marks):
+        before, rendered = rendered.split(mark, 1)
+        ids += tokenizer(before, add_special_tokens=False, split_special_tokens=False).input_ids
+        ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=not allow_special).input_ids
+    return ids + tokenizer(rendered, add_special_tokens=False, split_special_tokens=False).input_ids

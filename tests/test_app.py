@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -378,34 +379,88 @@ def test_explorer_without_a_run():
 
 # -- benchmark tab ----------------------------------------------------------------------------------------
 def test_benchmark_tab_without_and_with_results(tmp_path):
-    assert "No benchmark results yet" in benchmark.load_bench(tmp_path).html
+    view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
+    assert "No benchmark results yet" in view.message and view.figure is None and view.suites == []
     (tmp_path / "summary.json").write_text(json.dumps(
-        {"hardware": "2 vCPU <b>", "rows": [{"method": "sdsat<script>", "k": 5, "speedup": 1.234567}]}))
-    (tmp_path / "speedup.json").write_text(json.dumps({"data": [{"type": "bar", "y": [1, 2]}], "layout": {}}))
-    (tmp_path / "speedup.png").write_bytes(b"\x89PNG\r\n")
-    view = benchmark.load_bench(tmp_path)
-    assert "sdsat&lt;script&gt;" in view.html and "1.23" in view.html and "2 vCPU &lt;b&gt;" in view.html
-    assert len(view.figures) == 1 and view.images == [str(tmp_path / "speedup.png")]
-    # the benchmark's own format: notes as a list, HTML figures without a PNG twin embedded in a sandbox
-    (tmp_path / "summary.json").write_text(json.dumps({"rows": [{"method": "vanilla"}], "notes": ["a < b", "c"],
-                                                       "command": "python -m sdsat.bench"}))
-    (tmp_path / "tokens_per_second.html").write_text('<html><script>var x = "</iframe>";</script></html>')
-    view = benchmark.load_bench(tmp_path)
-    assert "<li>a &lt; b</li>" in view.html and "<code>python -m sdsat.bench</code>" in view.html
-    assert view.frames.count("<iframe") == 1 and 'sandbox="allow-scripts"' in view.frames
-    assert "</iframe>\";" not in view.frames  # the figure cannot close its frame early
-    assert str(tmp_path / "tokens_per_second.html") in view.downloads
+        {"machine": "2 vCPU <b>, 2 cores, fp32", "notes": ["a < b", "c"], "command": "python -m sdsat.bench",
+         "rows": [{"method": "vanilla", "tokens/s": 20.04, "speed-up vs vanilla (median)": 1.0, "pass@1": 0.0},
+                  {"method": "sdsat<script>", "tokens/s": 30.55, "speed-up vs vanilla (median)": 1.234567,
+                   "acceptance by draft position": [0.64, 0.4, 0.26, 0.33, 0.28, 0.25], "pass@1": 0.0}]}))
+    (tmp_path / "results.md").write_text("| method |")
+    suite = benchmark.load_suite(tmp_path, "humaneval-16", "HumanEval", tmp_path / "dl")
+    assert "sdsat&lt;script&gt;" in suite.html and "<script>" not in suite.html
+    assert "1.23×" in suite.html and "30.6" in suite.html and "0.64 · 0.40 · 0.26 · 0.33 · 0.28 …" in suite.html
+    assert "[0.64" not in suite.html and "Left out, 0 or – in every row: pass@1" in suite.html  # no empty column
+    assert "<li>a &lt; b</li>" in suite.html and "<code>python -m sdsat.bench</code>" in suite.html
+    assert sorted(Path(p).name for p in suite.downloads) == ["humaneval-16-results.md", "humaneval-16-summary.json"]
+    assert benchmark.short_machine(suite.machine) == "2 vCPU <b>, 2 cores"
 
 
-def test_benchmark_tab_shows_each_suite_under_its_heading(tmp_path):
-    (tmp_path / "summary.json").write_text(json.dumps({"rows": [{"method": "vanilla", "speedup": 1.0}]}))
-    assert "<h3" not in benchmark.load_suites(tmp_path).html  # one suite: no headings
+def test_benchmark_tab_charts_every_suite_with_its_machine(tmp_path):
+    row = {"method": "sdsat_greedy k=3 +lookup+tree", "speed-up vs vanilla (median)": 1.5}
+    (tmp_path / "summary.json").write_text(json.dumps({"machine": "AMD EPYC, 2 cores, x", "rows": [row]}))
     (tmp_path / "chat").mkdir()
-    (tmp_path / "chat" / "summary.json").write_text(json.dumps({"rows": [{"method": "sdsat_greedy", "speedup": 0.5}]}))
-    (tmp_path / "chat" / "speedup.png").write_bytes(b"\x89PNG\r\n")
-    (tmp_path / "humaneval-164").mkdir()
-    (tmp_path / "humaneval-164" / "summary.json").write_text(json.dumps({"rows": [{"method": "prompt_lookup"}]}))
-    html = benchmark.load_suites(tmp_path).html
-    assert (html.index("all 164 problems") < html.index("prompt_lookup") < html.index("problems 0–15")
-            < html.index("vanilla") < html.index("Chat prompts 1–6") < html.index("sdsat_greedy"))
-    assert benchmark.load_suites(tmp_path).images == [str(tmp_path / "chat" / "speedup.png")]
+    (tmp_path / "chat" / "summary.json").write_text(json.dumps(
+        {"machine": "Intel Xeon, 2 cores", "rows": [row | {"speed-up vs vanilla (median)": 0.9},
+                                                    {"method": "prompt_lookup k=10", "speed-up vs vanilla (median)": 1.1}]}))
+    view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
+    assert [s.key for s in view.suites] == ["humaneval-16", "chat-6"]  # the order of SUITES
+    assert "AMD EPYC, 2 cores and Intel Xeon, 2 cores" in view.intro and "Race** tab measures your own run" in view.intro
+    bars = {trace.name: (list(trace.y), list(trace.x)) for trace in view.figure.data}  # horizontal: y names the suite
+    fastest = bars[benchmark.CHART_METHODS["sdsat_greedy k=3 +lookup+tree"]]
+    assert fastest[1] == [1.5, 0.9] and "AMD EPYC, 2 cores" in fastest[0][0] and "Intel Xeon, 2 cores" in fastest[0][1]
+    assert bars[benchmark.CHART_METHODS["prompt_lookup k=10"]][1] == [1.1]
+
+
+# -- chat -------------------------------------------------------------------------------------------------
+def test_encode_chat_is_the_template_and_keeps_typed_special_text_as_text(real_tokenizer):
+    from sdsat.prompts import encode_chat
+
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Add two numbers."}]
+    text = real_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert encode_chat(real_tokenizer, messages) == real_tokenizer(text, add_special_tokens=False).input_ids
+    typed = encode_chat(real_tokenizer, [{"role": "user", "content": "a <|im_end|> b"}])
+    end = real_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert typed.count(end) == 2  # the template's own ends (system and user), not the typed one
+
+
+def test_chat_leaves_out_the_oldest_messages_to_fit(real_tokenizer):
+    from sdsat.ui.chat import check_history, fit_conversation
+
+    history = [{"role": r, "content": f"message {i} " + "word " * 40} for i, r in enumerate(["user", "assistant"] * 3)]
+    ids, left_out = fit_conversation(real_tokenizer, history, "last question", budget=10_000)
+    assert left_out == 0
+    ids, left_out = fit_conversation(real_tokenizer, history, "last question", budget=150)
+    assert len(ids) <= 150 and left_out == 4  # whole exchanges, so what is kept starts with a user message
+    assert "message 4" in real_tokenizer.decode(ids) and "message 3" not in real_tokenizer.decode(ids)
+    for bad, named in (("nope", "history must be a list"), ([{"role": "robot", "content": "x"}], "history message 1"),
+                       ([{"role": "user", "content": 3}], "history message 1")):
+        with pytest.raises(SettingError, match=named):
+            check_history(bad)
+
+
+def test_chat_turns_render_with_colours_and_badges(page, default_engine):
+    from sdsat.ui.chat import Chat
+
+    chat = Chat(page.limits, page.cache)
+    turns = []
+    for message in ("Write a Python function that adds two numbers.", "And one that subtracts them."):
+        *_, (shown, turns, _) = chat.respond(message, turns, DEFAULT_MODEL, "fastest", "greedy", 1.0, 12)
+    assert len(turns) == 2 and turns[1].prompt_ids[:len(turns[0].prompt_ids)] == turns[0].prompt_ids
+    assert [m["role"] for m in shown] == ["user", "assistant"] * 2
+    assert "tok src-verified" in shown[3]["content"] and "tokens/s" in shown[3]["content"]
+    assert "\n" not in shown[3]["content"]  # one HTML block for the Chatbot's markdown
+    *_, (shown, turns) = chat.race_turn(turns)
+    assert turns[1].identical() is True and "identical to vanilla" in shown[3]["content"]
+    *_, (shown, turns, _) = chat.regenerate(turns, DEFAULT_MODEL, "fastest", "greedy", 1.0, 12)
+    assert len(turns) == 2 and turns[1].runs == 2 and turns[1].result.token_ids == turns[1].token_ids
+    with pytest.raises(gr.Error, match="scheme must be one of"):
+        list(chat.respond("hi", [], DEFAULT_MODEL, "fastest-ever", "greedy", 1.0, 12))
+    # Stop while a reply decodes: its text so far stays, marked as stopped, and the next turn builds on it.
+    replies = chat.respond("Count from one to twenty in words.", turns, DEFAULT_MODEL, "paper", "greedy", 1.0, 24)
+    next(replies)
+    _, partial, _ = next(replies)
+    replies.close()
+    shown, turns = chat.stopped(partial)
+    assert len(turns) == 3 and turns[2].stopped and "stopped after" in shown[5]["content"]

@@ -192,3 +192,211 @@ def test_chromium_and_playwright_are_available():
     """Tells CI apart from a skipped browser test: `make test` installs both."""
     if os.environ.get("CI") or os.environ.get("SDSAT_REQUIRE_BROWSER"):
         assert shutil.which("chromium") and pytest.importorskip("playwright")
+
+
+# -- issue 18: examples, chat, benchmark chart, replay in the browser, phone width -----------------------
+def _browser(pw):
+    return pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+def _open_tab(page, name: str):
+    """Click a tab; at phone width Gradio moves the tabs that do not fit into its "More tabs" menu."""
+    tab = page.get_by_role("tab", name=name)
+    if tab.count():
+        tab.click()
+    else:
+        page.get_by_role("button", name="More tabs").click()
+        page.locator(".overflow-dropdown button", has_text=name).click()
+
+
+def _run_race(page, max_new: str | None = None):
+    if max_new is not None:
+        page.locator("#max-new input[type=number]").fill(max_new)
+        page.locator("#max-new input[type=number]").press("Enter")
+    page.evaluate("document.querySelectorAll('.check').forEach((el) => el.classList.add('earlier'))")
+    page.get_by_role("button", name="Run the race").click()
+    page.locator(".check.ok:not(.earlier)").wait_for(timeout=300_000)  # this race's check, not the last one's
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_browser_default_race_leads_with_the_fastest_scheme_and_yields_code(server):
+    """The page opens on a code example and the fastest scheme; its race gives code, not prose. The paper's
+    scheme is one click away, and a chat example asking for a function gives code too."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    SCREENS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as pw:
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.goto(server)
+            assert page.get_by_label("fastest (SATs + prompt lookup + draft tree)").is_checked()
+            assert page.locator("#tree input[type=number]").input_value() == "2"
+            _run_race(page)  # the default prompt and settings, as a visitor first sees them
+            text = page.locator("#sdsat-out .sdsat-out").inner_text()
+            assert "return" in text and "\n    " in text, text  # an indented function body
+            assert not text.lstrip().startswith("```"), text
+            assert page.locator("#sdsat-out .tok.src-copy, #sdsat-out .tok.src-draft").count() > 0
+            page.screenshot(path=str(SCREENS / "desktop_race.png"))
+            page.get_by_label("paper (two-step SATs only)").check()
+            page.locator("#tree input[type=number]").wait_for(timeout=5_000)
+            page.wait_for_function("document.querySelector('#tree input[type=number]').value === '0'", timeout=10_000)
+            assert page.locator("#scheme").get_by_text("paper").count() > 0
+            page.get_by_text("prime check: chat request → code").click()
+            sync_api.expect(page.get_by_label("Chat: wrap the prompt in the model's chat template")).to_be_checked()
+            _run_race(page)
+            assert "def is_prime" in page.locator("#sdsat-out .sdsat-out").inner_text()
+        finally:
+            browser.close()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_browser_chat_two_turns_coloured_regenerate_replaces_only_the_last(server):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.goto(server)
+            page.get_by_role("tab", name="Chat").click()
+            box = page.locator("#chat-msg textarea")
+            done = "#chatbot .chat-turn.turn-{}.run-{} .badge.speed"
+            for turn, message in enumerate(["Write a Python function that checks whether a number is prime.",
+                                             "Now write one that checks whether a number is even."]):
+                box.fill(message)
+                page.get_by_role("button", name="Send").click()
+                page.locator(done.format(turn, 1)).wait_for(timeout=300_000)
+            turns = page.locator("#chatbot .chat-turn")
+            assert turns.count() == 2
+            for i in range(2):  # both turns keep their colour coding and tooltips
+                turn = page.locator(f"#chatbot .chat-turn.turn-{i}")
+                assert turn.locator(".tok.src-verified").count() > 0
+                assert turn.locator(".tok.src-bonus, .tok.src-draft, .tok.src-copy").count() > 0
+                assert "iteration 1" in turn.locator(".tok").first.get_attribute("title")
+            assert "is_prime" in turns.nth(0).inner_text() and "identical check: not run yet" in turns.nth(1).inner_text()
+            first = turns.nth(0).inner_html()
+            page.screenshot(path=str(SCREENS / "desktop_chat.png"))
+
+            page.get_by_role("button", name="↻ Regenerate").click()
+            page.locator(done.format(1, 2)).wait_for(timeout=300_000)
+            assert page.locator("#chatbot .chat-turn").count() == 2
+            assert page.locator("#chatbot .chat-user").count() == 2
+            assert page.locator("#chatbot .chat-turn").nth(0).inner_html() == first  # the first turn is untouched
+            assert "regenerated" in page.locator("#chatbot .chat-turn.turn-1").inner_text()
+
+            page.get_by_role("button", name="Race this turn against vanilla").click()
+            page.locator("#chatbot .chat-turn.turn-1 .badge.ok").wait_for(timeout=300_000)
+            assert "identical to vanilla" in page.locator("#chatbot .chat-turn.turn-1 .badge.ok").inner_text()
+
+            page.get_by_role("button", name="Clear conversation").click()
+            page.wait_for_function("document.querySelectorAll('#chatbot .chat-turn').length === 0", timeout=10_000)
+        finally:
+            browser.close()
+
+
+def test_chat_api_takes_the_history_and_checks_against_vanilla(server):
+    from gradio_client import Client
+
+    client = Client(server, verbose=False)
+    history = [{"role": "user", "content": "Write a Python function that adds two numbers."},
+               {"role": "assistant", "content": "```python\ndef add(a, b):\n    return a + b\n```"}]
+    data = client.predict("Now one that multiplies them.", history, max_new_tokens=12, check_vanilla=True,
+                          api_name="/chat")
+    assert data["identical"] is True and data["sdsat"]["new_tokens"] == len(data["token_ids"]) > 0
+    assert data["history"][:2] == history and data["history"][-1] == {"role": "assistant", "content": data["reply"]}
+    assert data["left_out_messages"] == 0 and data["settings"]["lookup_tokens"] == 10
+    long_history = [{"role": r, "content": "word " * 120} for r in ("user", "assistant") * 4]
+    data = client.predict("Hello.", long_history, max_new_tokens=4, api_name="/chat")
+    assert data["left_out_messages"] > 0 and "left out" in data["notice"] and data["prompt_tokens"] <= 512
+    with pytest.raises(Exception, match="history message 1 must be"):
+        client.predict("Hi", [{"role": "robot", "content": "x"}], api_name="/chat")
+    with pytest.raises(Exception, match="max new tokens must be between 1 and 48"):
+        client.predict("Hi", [], max_new_tokens=500, api_name="/chat")
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_browser_benchmark_tab_leads_with_its_chart(server):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(server)
+            page.get_by_role("tab", name="Benchmark").click()
+            chart = page.locator("#bench-chart .js-plotly-plot")
+            chart.wait_for(timeout=30_000)
+            box = chart.bounding_box()
+            assert box["y"] + box["height"] <= 900 and box["height"] > 250  # the whole chart on the first screen
+            assert "AMD EPYC" in chart.inner_text() and "fastest" in chart.inner_text()
+            intro = page.locator("#bench-intro").inner_text()
+            assert "measured on AMD EPYC, 2 cores" in intro and "Race tab measures your own run" in intro
+            page.screenshot(path=str(SCREENS / "desktop_benchmark.png"))
+            assert page.locator(".bench-table:visible").count() == 0  # folded
+            page.get_by_text("HumanEval, all 164 problems").first.click()
+            table = page.locator(".bench-table:visible").first
+            table.wait_for(timeout=10_000)
+            assert "1.63×" in table.inner_text() and "0.64 · 0.40" in table.inner_text()
+            assert "[0.64" not in page.locator("body").inner_text()
+            files = page.locator("body").inner_text()
+            assert "humaneval-164-results" in files and "humaneval-164-summary" in files  # downloads named by suite
+            assert page.get_by_text("Figures", exact=True).count() == 0  # the empty gallery is gone
+        finally:
+            browser.close()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_browser_replay_plays_without_the_server(server):
+    """Replay runs in the browser: it sends no request, and the server answers others while it plays."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from gradio_client import Client
+
+    with sync_api.sync_playwright() as pw:
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.goto(server)
+            _run_race(page, "32")
+            sent = []
+            page.on("request", lambda request: sent.append(request.url))
+            page.get_by_role("button", name="▶ Replay both on one clock, at the measured speed").click()
+            page.locator('#replay-status [data-state="playing"]').wait_for(timeout=5_000)
+            assert page.locator("#sdsat-out .tok.replay-hidden").count() > 0  # tokens appear again over time
+            data = Client(server, verbose=False).predict(**(RACE_ARGS | dict(max_new_tokens=2)), api_name="/generate")
+            assert data["identical"] is True
+            page.locator('#replay-status [data-state="done"]').wait_for(timeout=120_000)
+            assert page.locator("#sdsat-out .replay-hidden, #vanilla-out .replay-hidden").count() == 0
+            assert "SDSAT" in page.locator("#replay-status").inner_text()
+            assert not [url for url in sent if "/queue/" in url or "/run/" in url or "/call/" in url], sent
+        finally:
+            browser.close()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_browser_phone_width_has_no_sideways_scroll(server):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True,
+                                    has_touch=True)
+            page.goto(server)
+            _run_race(page, "24")
+            page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
+            page.evaluate("document.querySelector('.headline').scrollIntoView()")
+            page.screenshot(path=str(SCREENS / "phone_race.png"))
+            width = "Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)"
+            assert page.evaluate(width) <= 390
+            explorer = page.locator("#explorer")
+            explorer.scroll_into_view_if_needed()
+            assert explorer.bounding_box()["width"] <= 390
+            inside = "getComputedStyle(document.querySelector('#explorer .explorer')).overflowX"
+            assert page.evaluate(inside) in ("auto", "scroll")  # a wide explorer scrolls within itself
+            page.locator("#explorer").screenshot(path=str(SCREENS / "phone_explorer.png"))
+            for plot in page.locator(".js-plotly-plot").all():
+                assert plot.bounding_box()["width"] <= 390
+            for tab in ("Chat", "How it works", "Benchmark"):
+                _open_tab(page, tab)
+                page.wait_for_timeout(500)
+                assert page.evaluate(width) <= 390, tab
+            page.screenshot(path=str(SCREENS / "phone_benchmark.png"))
+        finally:
+            browser.close()

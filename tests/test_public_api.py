@@ -97,13 +97,13 @@ def test_only_race_and_generate_are_public_and_page_events_are_cheap(server):
     import app
 
     info = httpx.get(f"{server}/info", params={"all_endpoints": True}, timeout=60).json()
-    assert set(info["named_endpoints"]) == {"/race", "/generate"}
+    assert set(info["named_endpoints"]) == {"/race", "/generate", "/chat"}
     # A page load runs no file reading: the Benchmark tab comes with the page's config, read once at start.
     on_load = [fn.name for fn in app.demo.fns.values() if any(t[1] == "load" for t in fn.targets)]
     assert on_load == ["model_controls_if_loaded"]
     config = httpx.get(server.removesuffix("/gradio_api") + "/config", timeout=60).json()
     values = [c.get("props", {}).get("value") for c in config["components"]]
-    assert app.BENCH.html and app.BENCH.html + app.BENCH.frames in values
+    assert app.bench.suites and all(suite.html in values for suite in app.bench.suites)
 
 
 def test_a_visitors_race_is_kept_for_a_limited_time_and_number_of_visitors(server):

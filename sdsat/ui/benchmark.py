@@ -1,17 +1,22 @@
 """The Benchmark tab: the project's own results, read from files in assets/bench/ (never recomputed here).
 
-What it reads (the format `python -m sdsat.bench` writes): `summary.json` (a list of result rows, or
-an object with a "rows" / "results" list; its other fields, such as machine, model and notes, are
-shown under the table), every `NAME.png` as an image, every standalone plotly `NAME.html` without a
-PNG twin as an embedded, sandboxed frame, and every plotly figure saved as `NAME.json` (an object
-with "data" and "layout") as a native plot. `results.md` and other tables are offered for download.
-A sub-folder with its own summary.json (`assets/bench/humaneval-164/`, `chat/`, `chat-16/`,
-`humaneval-256/`) is a further suite, shown under its own heading in the order of SUITES.
+The tab leads with one chart, the median speed-up against vanilla per suite and method, each suite
+labelled with the machine it was measured on; each suite's table and files sit folded under it.
+It is built once when the app starts (`bench_page`), not per visitor.
+
+What it reads (the format `python -m sdsat.bench` writes): each suite folder's `summary.json` (a list
+of result rows, or an object with a "rows" / "results" list; its other fields, such as machine, model
+and notes, are shown under the table) and its result files (`results.md`, `results.json`, the
+interactive `.html` figures), which are offered for download under names that start with the suite.
+`assets/bench/` itself holds the suite "humaneval-16"; sub-folders with their own summary.json are
+further suites, in the order of SUITES.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,16 +25,43 @@ from .render import esc
 
 BENCH_DIR = ASSETS / "bench"
 SUMMARY = "summary.json"
-_MAX_FIGURE_BYTES = 5_000_000
+DOWNLOADS = (".md", ".json", ".html", ".csv")
+SPEEDUP = "speed-up vs vanilla (median)"
+
+# folder (relative to assets/bench) -> (file-name prefix, title)
+SUITES = {"humaneval-164": ("humaneval-164", "HumanEval, all 164 problems (the fastest settings)"),
+          "": ("humaneval-16", "HumanEval problems 0–15 (every method)"),
+          "humaneval-256": ("humaneval-16-256tok", "HumanEval problems 0–15, 256 new tokens (the fastest settings)"),
+          "chat-16": ("chat-16", "Chat prompts, all 16 (the fastest settings)"),
+          "chat": ("chat-6", "Chat prompts 1–6 (every method)")}
+# The chart's methods (benchmark row names) and what the chart calls them; other rows stay in the tables.
+CHART_METHODS = {"prompt_lookup k=10": "prompt lookup (transformers, 10 tokens)",
+                 "sdsat_greedy k=3": "SDSAT, the paper's two-step (k=3)",
+                 "sdsat_greedy k=3 +tree": "SDSAT + draft tree (k=3)",
+                 "sdsat_greedy k=3 +lookup+tree": "SDSAT + prompt lookup + draft tree (k=3): fastest"}
+CHART_COLOURS = ["#94a3b8", "#a78bfa", "#34d399", "#7c3aed"]
 
 
 @dataclass
-class BenchView:
-    html: str  # the summary table and notes, or the 'no results yet' message
-    images: list[str] = field(default_factory=list)  # PNG paths
-    figures: list = field(default_factory=list)  # plotly figures
-    downloads: list[str] = field(default_factory=list)  # other result files
-    frames: str = ""  # standalone HTML figures, each in a sandboxed iframe
+class Suite:
+    """One benchmark run: its table as HTML, its notes, and its files renamed for download."""
+
+    key: str  # file-name prefix, e.g. "humaneval-164"
+    title: str
+    machine: str  # as summary.json records it, "" when it does not
+    rows: list[dict]
+    html: str  # the formatted table and the notes
+    downloads: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BenchPage:
+    """Everything the Benchmark tab shows, built once."""
+
+    intro: str  # the sentence on where the numbers come from (markdown)
+    figure: object | None  # the plotly chart, None without results
+    suites: list[Suite]
+    message: str = ""  # HTML shown instead of the chart when there are no results
 
 
 def _rows_of(summary) -> tuple[list[dict], dict]:
@@ -44,91 +76,128 @@ def _rows_of(summary) -> tuple[list[dict], dict]:
     return [], {}
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
+def cell(column: str, value) -> str:
+    """A table value as text: speed-ups as "1.63×", rates to one decimal, lists as their first five values."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        if "speed-up" in column or "speedup" in column:
+            return f"{value:.2f}×"
+        if "tokens/s" in column:
+            return f"{value:.1f}"
+        if isinstance(value, int):
+            return str(value)
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    if isinstance(value, (list, dict)):
-        text = json.dumps(value)
-        return esc(text if len(text) < 80 else text[:77] + "…")
+    if isinstance(value, list):
+        shown = " · ".join(f"{v:.2f}" if isinstance(v, float) else cell("", v) for v in value[:5])
+        return shown + (" …" if len(value) > 5 else "")
+    if isinstance(value, dict):
+        return esc(", ".join(f"{k}: {v}" for k, v in value.items()))
     return esc(str(value))
 
 
+def _empty(value) -> bool:
+    return value in (None, "", "–", "-", 0, 0.0)
+
+
 def table_html(rows: list[dict]) -> str:
+    """The rows as a table; columns empty (0 or –) in every row are left out and named below it."""
     columns = list(dict.fromkeys(k for r in rows for k in r))
+    empty = [c for c in columns if c != "method" and all(_empty(r.get(c)) for r in rows)]
+    columns = [c for c in columns if c not in empty]
     head = "".join(f"<th>{esc(str(c))}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
-    return f'<div class="bench-scroll"><table class="bench-table"><tr>{head}</tr>{body}</table></div>'
-
-
-def load_bench(folder: Path = BENCH_DIR) -> BenchView:
-    summary_path = folder / SUMMARY
-    if not summary_path.is_file():
-        return BenchView('<div class="check info">No benchmark results yet. They appear here once the project\'s '
-                         'benchmark has written <code>assets/bench/summary.json</code> and its figures.</div>')
-    try:
-        summary = json.loads(summary_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return BenchView(f'<div class="check bad">assets/bench/summary.json is unreadable: {esc(str(err))}</div>')
-    rows, notes = _rows_of(summary)
-    parts = [table_html(rows)] if rows else []
-    if notes:
-        parts.append(f'<ul class="bench-notes">{"".join(_note(k, v) for k, v in notes.items())}</ul>')
-    view = BenchView("".join(parts) or '<div class="check info">summary.json holds no rows.</div>')
-    frames = []
-    for path in sorted(folder.iterdir()):
-        if path.suffix == ".png":
-            view.images.append(str(path))
-        elif path.suffix == ".html" and not path.with_suffix(".png").is_file() and path.stat().st_size < _MAX_FIGURE_BYTES:
-            # The benchmark's own file; sandboxed anyway, and escaped so it stays one attribute value.
-            frames.append(f'<iframe class="bench-frame" sandbox="allow-scripts" title="{esc(path.stem)}" '
-                          f'srcdoc="{esc(path.read_text(errors="replace"))}"></iframe>')
-        elif path.suffix == ".json" and path.name != SUMMARY and path.stat().st_size < _MAX_FIGURE_BYTES:
-            figure = _plotly_figure(path)
-            if figure is not None:
-                view.figures.append(figure)
-        if path.suffix in (".html", ".md", ".csv"):
-            view.downloads.append(str(path))
-    view.frames = "".join(frames)
-    return view
-
-
-SUITES = {"humaneval-164": "HumanEval, all 164 problems (the fastest settings)",
-          "": "HumanEval problems 0–15 (every method)", "chat": "Chat prompts 1–6 (every method)",
-          "chat-16": "Chat prompts, all 16 (the fastest settings)",
-          "humaneval-256": "HumanEval problems 0–15, 256 new tokens (the fastest settings)"}
-
-
-def load_suites(folder: Path = BENCH_DIR, suites: dict[str, str] = SUITES) -> BenchView:
-    """Every suite that has results, each under its own heading, in one view."""
-    views = [(title, load_bench(folder / name)) for name, title in suites.items() if (folder / name / SUMMARY).is_file()]
-    if len(views) <= 1:
-        return views[0][1] if views else load_bench(folder)
-    merged = BenchView("")
-    for title, view in views:
-        merged.html += f'<h3 class="bench-suite">{esc(title)}</h3>{view.html}'
-        merged.images += view.images
-        merged.figures += view.figures
-        merged.downloads += view.downloads
-        merged.frames += view.frames
-    return merged
+    body = "".join("<tr>" + "".join(f"<td>{cell(str(c), r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
+    note = (f'<div class="muted bench-left-out">Left out, 0 or – in every row: {esc(", ".join(empty))}.</div>'
+            if empty else "")
+    return f'<div class="bench-scroll"><table class="bench-table"><tr>{head}</tr>{body}</table></div>{note}'
 
 
 def _note(key, value) -> str:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        inner = "".join(f"<li>{esc(v)}</li>" for v in value)
+        inner = "".join(f"<li>{esc(v.lstrip('- '))}</li>" for v in value)
         return f"<li><b>{esc(str(key))}</b><ul>{inner}</ul></li>"
     if key == "command":
         return f"<li><b>command</b>: <code>{esc(str(value))}</code></li>"
-    return f"<li><b>{esc(str(key))}</b>: {_cell(value)}</li>"
+    return f"<li><b>{esc(str(key))}</b>: {cell(str(key), value)}</li>"
 
 
-def _plotly_figure(path: Path):
-    import plotly.io as pio
-
+def load_suite(folder: Path, key: str, title: str, download_dir: Path | None = None) -> Suite | None:
+    """The suite in `folder`, or None when it has no summary.json; an unreadable one says so."""
+    path = folder / SUMMARY
+    if not path.is_file():
+        return None
     try:
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and "data" in data and "layout" in data:
-            return pio.from_json(json.dumps(data))
-    except (OSError, ValueError):
-        pass
-    return None
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return Suite(key, title, "", [],
+                     f'<div class="check bad">{esc(str(path.name))} is unreadable: {esc(str(err))}</div>')
+    rows, notes = _rows_of(summary)
+    machine = str(notes.get("machine", "")) if isinstance(notes, dict) else ""
+    parts = [table_html(rows)] if rows else ['<div class="check info">summary.json holds no rows.</div>']
+    if notes:
+        parts.append(f'<ul class="bench-notes">{"".join(_note(k, v) for k, v in notes.items())}</ul>')
+    suite = Suite(key, title, machine, rows, "".join(parts))
+    if download_dir is not None:
+        download_dir.mkdir(parents=True, exist_ok=True)
+        for file in sorted(folder.iterdir()):
+            if file.is_file() and file.suffix in DOWNLOADS:
+                target = download_dir / f"{key}-{file.name}"
+                shutil.copyfile(file, target)
+                suite.downloads.append(str(target))
+    return suite
+
+
+def short_machine(machine: str) -> str:
+    """"AMD EPYC, 2 cores, 2 torch threads, cpu float32, …" -> "AMD EPYC, 2 cores"."""
+    return ", ".join(machine.split(", ")[:2]) if machine else "machine not recorded"
+
+
+def speedup_figure(suites: list[Suite]):
+    """Horizontal grouped bars: the median speed-up against vanilla per suite (its machine under its name)
+    and method. Horizontal, so that suite names and values stay readable at phone width."""
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    labels = [f"{s.key}<br><sub>{esc(short_machine(s.machine))}</sub>" for s in suites]
+    for (method, name), colour in zip(CHART_METHODS.items(), CHART_COLOURS):
+        suite_labels, values, hover = [], [], []
+        for suite, label in zip(suites, labels):
+            row = next((r for r in suite.rows if r.get("method") == method), None)
+            if row is None or not isinstance(row.get(SPEEDUP), (int, float)):
+                continue
+            suite_labels.append(label)
+            values.append(row[SPEEDUP])
+            rate = row.get("tokens/s")
+            hover.append(f"{esc(suite.title)}<br>{esc(suite.machine or 'machine not recorded')}"
+                         + (f"<br>{rate:.1f} tokens/s" if isinstance(rate, (int, float)) else ""))
+        if values:
+            figure.add_bar(y=suite_labels, x=values, orientation="h", name=name, marker_color=colour,
+                           text=[f"{v:.2f}×" for v in values], textposition="outside", cliponaxis=False,
+                           hovertext=hover, hovertemplate="%{hovertext}<br>%{x:.2f}× vanilla<extra></extra>")
+    top = max([v for trace in figure.data for v in trace.x] + [1.0])
+    figure.add_vline(x=1.0, line_dash="dash", line_color="#475569")
+    figure.update_layout(
+        title=dict(text="Speed-up against vanilla", x=0.01, font=dict(size=15)),
+        barmode="group", bargap=0.25, height=560, template="plotly_white",
+        xaxis=dict(title="× vanilla tokens/s (median over prompts)", range=[0, 1.15 * top]),
+        yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels),
+        margin=dict(l=10, r=10, t=40, b=10),
+        legend=dict(orientation="h", yanchor="top", y=-0.12, x=0, traceorder="normal"))
+    return figure
+
+
+def bench_page(folder: Path = BENCH_DIR, suites: dict[str, tuple[str, str]] = SUITES,
+               download_dir: Path | None = None) -> BenchPage:
+    """The Benchmark tab, read from `folder`; result files are copied into `download_dir` under suite names."""
+    download_dir = download_dir or Path(tempfile.mkdtemp(prefix="sdsat-bench-"))
+    found = [s for name, (key, title) in suites.items()
+             if (s := load_suite(folder / name, key, title, download_dir / key)) is not None]
+    machines = sorted({short_machine(s.machine) for s in found if s.machine})
+    intro = ("These numbers were measured on "
+             + (" and ".join(machines) if machines else "the machines each suite names")
+             + " by the project's benchmark (`assets/bench/`, not recomputed here); a different CPU can give "
+             "different speed-ups. The **Race** tab measures your own run, on the machine serving this page.")
+    if not found:
+        return BenchPage(intro, None, [], '<div class="check info">No benchmark results yet. They appear here once the '
+                                          "project's benchmark has written <code>assets/bench/summary.json</code>.</div>")
+    return BenchPage(intro, speedup_figure(found), found)

@@ -12,7 +12,6 @@ import inspect
 import logging
 import re
 import threading
-import time
 from typing import Iterator
 
 import anyio.to_thread
@@ -216,7 +215,7 @@ class Page:
         return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, show_rejected,
                           record.special_ids)
 
-    # -- after a race: explorer and replay -----------------------------------------------------
+    # -- after a race: the explorer -----------------------------------------------------
     @staticmethod
     @visitor_errors
     def explore(record: RaceRecord | None, iteration) -> str:
@@ -230,29 +229,6 @@ class Page:
         n = _iterations(record)
         i = max(1, min(_checked(check_iteration, iteration) + delta, n))
         return i, explorer.explorer_html(record, i - 1)
-
-    @visitor_errors
-    def replay(self, record: RaceRecord | None, show_rejected: bool) -> Iterator[tuple]:
-        """Both outputs growing on one clock at their measured speed: (status, vanilla, sdsat)."""
-        show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
-        if record is None:
-            raise gr.Error("Run a prompt first; the replay shows its recorded timings.", title="Nothing to replay")
-        v, s = record.vanilla, record.sdsat
-        total = min(max(v.seconds, s.seconds), MAX_REPLAY_S)
-        start = time.monotonic()
-        while True:
-            now = min(time.monotonic() - start, total)
-            vs = [st for st in v.steps if st.elapsed <= now]
-            ss = [st for st in s.steps if st.elapsed <= now]
-            vn, sn = sum(len(x.tokens) for x in vs), sum(len(x.tokens) for x in ss)
-            status = (f'<div class="headline running"><div class="status">Replay at true speed: {now:5.2f} s · '
-                      f'vanilla {vn} tokens · SDSAT {sn} tokens</div></div>')
-            yield (status, vanilla_html(vs, record.pieces["vanilla"][:vn], record.special_ids),
-                   sdsat_html(ss, record.pieces["sdsat"][:sn], record.vocab, bool(show_rejected), record.special_ids))
-            if now >= total:
-                break
-            time.sleep(1 / REPLAY_FPS)
-        yield headline_html(record), gr.skip(), gr.skip()
 
     # -- API -------------------------------------------------------------------------------------
     @visitor_errors

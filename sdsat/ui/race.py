@@ -86,8 +86,12 @@ def hardware_line(engine: Engine) -> str:
 
 
 def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_s: float,
-         cancel: threading.Event | None = None, every: float = 0.3) -> Iterator[RaceSnapshot]:
+         cancel: threading.Event | None = None, every: float = 0.3,
+         methods: tuple[str, ...] = PHASES) -> Iterator[RaceSnapshot]:
     """Run vanilla, then SDSAT; yield snapshots, the last one with phase "done" and both results.
+
+    `methods` runs a subset, in the same worker threads (the Chat tab decodes a turn with SDSAT alone,
+    and vanilla alone when the visitor races that turn).
 
     Each decoder may use `time_limit_s / 2` seconds of wall time; it then stops between two
     iterations with stop_reason "cancelled", as it does when `cancel` is set or the generator is closed.
@@ -95,7 +99,7 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
     """
     cancel = cancel or threading.Event()
     snap = RaceSnapshot("vanilla", {m: [] for m in PHASES}, {m: [] for m in PHASES})
-    for method in PHASES:
+    for method in methods:
         if cancel.is_set():  # Stop, or an API call given up: nobody is waiting for the next decoder
             return
         _wait_for_abandoned()

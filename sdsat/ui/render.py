@@ -93,9 +93,11 @@ def pieces_of(tokenizer, ids: Sequence[int], context_ids: Sequence[int] = ()) ->
     return pieces
 
 
-def _token(piece: str, classes: str, title: str, special: bool = False) -> str:
+def _token(piece: str, classes: str, title: str, special: bool = False, at: float | None = None) -> str:
+    """One token's span; `at` (seconds since the request started) is what the browser's replay reads."""
     cls = f"tok {classes}" + (" special" if special else "") + ("" if piece else " empty")
-    return f'<span class="{cls}" title="{esc_title(title)}">{esc(piece)}</span>'
+    when = "" if at is None else f' data-t="{at:.3f}"'
+    return f'<span class="{cls}" title="{esc_title(title)}"{when}>{esc(piece)}</span>'
 
 
 def _p(prob: float) -> str:
@@ -108,7 +110,7 @@ def vanilla_html(steps: Sequence[StepRecord], pieces: Sequence[str], special_ids
     for step, piece in zip(steps, pieces):
         token = step.tokens[0]
         title = f"step {step.index + 1} (one forward pass)\ntoken id {token}  {piece!r}\np = {_p(step.probs[0])}"
-        spans.append(_token(piece, f"src-vanilla shade{step.index % 2}", title, token in special_ids))
+        spans.append(_token(piece, f"src-vanilla shade{step.index % 2}", title, token in special_ids, step.elapsed))
     return _pane("".join(spans), "vanilla")
 
 
@@ -135,11 +137,11 @@ def sdsat_html(steps: Sequence[StepRecord], pieces: Sequence[str], vocab: dict[i
                 title += f"   ({_draft_origin(step, position - 1)})"
             if show_rejected and source == "bonus":
                 spans.extend(_rejected(step, vocab))
-            spans.append(_token(piece, f"src-{source_class(step, source)}", title, token in special_ids))
+            spans.append(_token(piece, f"src-{source_class(step, source)}", title, token in special_ids, step.elapsed))
         if show_rejected and (not step.sources or step.sources[-1] != "bonus"):
             spans.extend(_rejected(step, vocab))  # output was cut before the bonus
         at += n
-        groups.append(f'<span class="iter" title="iteration {step.index + 1}: {n} tokens for '
+        groups.append(f'<span class="iter" data-t="{step.elapsed:.3f}" title="iteration {step.index + 1}: {n} tokens for '
                       f'{step.forward_passes} forward pass{"es" if step.forward_passes != 1 else ""}">{"".join(spans)}</span>')
     return _pane("".join(groups), "sdsat")
 
@@ -153,7 +155,7 @@ def _rejected(step: StepRecord, vocab: dict[int, str]) -> list[str]:
         title = (f"iteration {step.index + 1} · rejected draft at position {pos} of {step.k}\n{why}\n"
                  f"token id {token}  {piece!r}\n{_draft_origin(step, pos - 1)}")
         # Not part of the text: whitespace is shown as a sign, or a rejected newline would be invisible.
-        spans.append(_token(visible(piece), "src-rejected", title))
+        spans.append(_token(visible(piece), "src-rejected", title, at=step.elapsed))
     return spans
 
 

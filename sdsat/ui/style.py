@@ -107,7 +107,41 @@ CSS = """
 .bench-table th, .bench-table td { border: 1px solid #e2e8f0; padding: 4px 8px; text-align: right; }
 .bench-table th { background: #f8fafc; }
 .bench-notes { font-size: 13px; color: var(--body-text-color); }
-.bench-frame { width: 100%; height: 480px; border: 1px solid #e2e8f0; border-radius: 10px; background: #fff; margin-top: 10px; }
+.bench-left-out { font-size: 12px; margin-top: 4px; }
+
+/* replay (played in the browser, replay.py) */
+.replay-hidden { display: none !important; }
+.replay-status { font-size: 13px; min-height: 1.2em; }
+
+/* chat: a reply is a race pane without its frame, with a badge under it */
+.chat-user { white-space: pre-wrap; word-break: break-word; }
+.chat-turn .sdsat-out { min-height: 0; max-height: none; border: none; padding: 0; background: transparent; overflow: visible; }
+.turn-badge { display: flex; flex-wrap: wrap; gap: 4px 6px; align-items: center; margin-top: 8px; font-size: 12px;
+  font-family: Inter, system-ui, sans-serif; white-space: normal; }
+.turn-badge .badge { background: #f1f5f9; color: #334155; font-weight: 600; }
+.turn-badge .badge.speed { background: #ede9fe; color: #5b21b6; }
+.turn-badge .badge.ok { background: #d1fae5; color: #065f46; }
+.turn-badge .badge.bad { background: #fee2e2; color: #991b1b; }
+.turn-badge .badge.warn { background: #fef3c7; color: #92400e; }
+.turn-badge .badge.run { background: #f5f3ff; color: #4c1d95; }
+.turn-badge .badge.trimmed { font-weight: 400; }
+#chatbot .message-content, #chatbot .message { max-width: 100%; }
+
+/* phone width: nothing may push the page sideways; wide parts scroll inside themselves */
+#explorer { max-width: 100%; }
+.explorer { max-width: 100%; overflow-x: auto; }
+.js-plotly-plot, .plot-container { max-width: 100%; }
+@media (max-width: 600px) {
+  .gradio-container { padding: 0 6px !important; }
+  .sdsat-out { font-size: 12.5px; max-height: 340px; }
+  .card { padding: 8px 10px; }
+  .card .value { font-size: 18px; }
+  .cards { grid-template-columns: repeat(2, minmax(0, 1fr)); }
+  .ex-table td { min-width: 48px; }
+  .ex-table th.row { white-space: normal; min-width: 84px; max-width: 96px; font-size: 11px; }
+  .chip { max-width: 110px; }
+  .diagram svg { min-width: 0; }
+}
 """
 
 LAUNCH = {"theme": THEME, "css": CSS}

@@ -1,0 +1,36 @@
+"""The page's example prompts, each labelled with what this model really gives for it.
+
+Checked with the embedded SmolLM2-135M-Instruct and its shipped SATs, greedy, 64 new tokens (the
+issue-18 report has the script and its output). What decides whether the answer is code:
+- a bare function or class header continued as raw text: the code (the default example);
+- a header plus a docstring continued as raw text: "```" and a paragraph of prose, so none here;
+- a chat request for a function: a fenced code block;
+- an HTML page begun as raw text: the rest of the page, then a sentence of prose;
+- a chat request for an HTML page: broken markup, so none here.
+"""
+
+from __future__ import annotations
+
+# [prompt, chat] rows for gr.Examples (inputs: the prompt box and the chat checkbox), and their labels.
+EXAMPLES = [
+    ["def is_palindrome(s: str) -> bool:\n", False],
+    ["class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n", False],
+    ["Write a Python function that checks whether a number is prime.", True],
+    ["<!DOCTYPE html>\n<html>\n<head>\n  <title>My to-do list</title>\n</head>\n<body>\n  <h1>My to-do list</h1>\n"
+     "  <ul>\n    <li>", False],
+    ["What is the capital of France, and what is it famous for?", True],
+]
+EXAMPLE_LABELS = [
+    "palindrome: code completion → code",
+    "Stack class: code completion → code",
+    "prime check: chat request → code",
+    "to-do page: HTML completion → HTML",
+    "Paris: chat question → prose",
+]
+
+# Messages for the Chat tab.
+CHAT_EXAMPLES = [
+    ["Write a Python function that checks whether a number is prime."],
+    ["Write a Python class Stack with push, pop and peek methods."],
+    ["What is the capital of France, and what is it famous for?"],
+]
