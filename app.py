@@ -219,10 +219,10 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     chat_events = [
         trigger(fn, inputs, [chatbot, turns, chat_msg], api_visibility="private", concurrency_limit=limits.concurrency,
                 concurrency_id="model")
-        for trigger, fn, inputs in ((send_btn.click, chat_page.respond, [chat_msg, turns, *chat_inputs]),
-                                    (chat_msg.submit, chat_page.respond, [chat_msg, turns, *chat_inputs]),
-                                    (regen_btn.click, chat_page.regenerate, [turns, *chat_inputs]))]
-    chat_events.append(race_turn_btn.click(chat_page.race_turn, turns, [chatbot, turns], api_visibility="private",
+        for trigger, fn, inputs in ((send_btn.click, chat_page.respond_on_gpu, [chat_msg, turns, *chat_inputs]),
+                                    (chat_msg.submit, chat_page.respond_on_gpu, [chat_msg, turns, *chat_inputs]),
+                                    (regen_btn.click, chat_page.regenerate_on_gpu, [turns, *chat_inputs]))]
+    chat_events.append(race_turn_btn.click(chat_page.race_turn_on_gpu, turns, [chatbot, turns], api_visibility="private",
                                            concurrency_limit=limits.concurrency, concurrency_id="model"))
     chat_stop_btn.click(chat_page.stopped, turns, [chatbot, turns], cancels=chat_events, api_visibility="private")
     clear_btn.click(chat_page.clear, None, [chatbot, turns], cancels=chat_events, api_visibility="private")

@@ -32,7 +32,9 @@ GENERATE = [("prompt", "def add(a, b):\n", "prompt"), ("model", DEFAULT_MODEL, "
             ("temperature", 1.0, "temperature"), ("top_p", 1.0, "top-p"), ("top_k", 0, "top-k"), ("seed", 0, "seed"),
             ("lookup_tokens", 0, "prompt lookup tokens"), ("tree_candidates", 0, "draft tree candidates")]
 RACE = GENERATE[:10] + [("show_rejected", False, "show rejected drafts")] + GENERATE[10:]
-ENDPOINTS = {"generate": GENERATE, "race": RACE}
+CHAT = ([("message", "Say hi.", "message"), ("history", [], "history")] + GENERATE[1:2] + GENERATE[3:]
+        + [("check_vanilla", False, "check_vanilla")])
+ENDPOINTS = {"generate": GENERATE, "race": RACE, "chat": CHAT}
 # Values of every JSON type, and the numbers that break naive parsing: huge (beyond float), NaN, infinities, -0.0.
 FUZZ = ["abc", "1", "", "true", [], [1, 2], {"x": 0}, None, True, False, 10**400, -(10**400), 2**63, 1e308, -1e308,
         float("nan"), float("inf"), -0.0, -1, 0, 0.5, 1e-40, 5e-324, "NaN", "\ud800", "<|im_start|>"]

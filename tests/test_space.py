@@ -197,15 +197,18 @@ import app
 from gradio_client import Client
 at_import = dict(decodes=len(decodes), loaded=app.page.cache.is_loaded(app.limits.models[0]))
 events = {fn.api_name: getattr(fn.fn, "zerogpu", None) for fn in app.demo.fns.values() if fn.api_name}
+decorated = sorted({fn.name for fn in app.demo.fns.values() if getattr(fn.fn, "zerogpu", None)})
 _, url, _ = app.demo.launch(prevent_thread_lock=True, quiet=True, server_name="127.0.0.1")
 try:
     client = Client(url, verbose=False)
     args = json.loads(sys.argv[1])
     generated = client.predict(*args, api_name="/generate")
     raced = client.predict(*args[:10], False, 0, 0, api_name="/race")
+    chatted = client.predict("Say hi.", [], max_new_tokens=8, check_vanilla=True, api_name="/chat")
 finally:
     app.demo.close()
-print(json.dumps(dict(at_import=at_import, events=events, duration=app.limits.gpu_duration_s,
+print(json.dumps(dict(at_import=at_import, events=events, decorated=decorated, chatted=chatted["identical"],
+                      duration=app.limits.gpu_duration_s,
                       time_limit=app.limits.time_limit_s, generated=generated["identical"],
                       raced=raced[-1]["identical"])))
 '''
@@ -224,8 +227,10 @@ def test_on_zero_gpu_the_pages_events_call_the_decorated_functions(tmp_path: Pat
     assert out["at_import"] == {"decodes": 0, "loaded": True}  # loaded at import, nothing decoded outside a GPU call
     assert out["events"]["race"] == out["duration"]  # the race's event calls the decorated generator itself
     assert out["events"]["generate"] is None  # /generate is async (spaces refuses those): it awaits the decorated call
+    assert out["events"]["chat"] is None  # so is /chat
+    assert {"run", "respond", "regenerate", "race_turn"} <= set(out["decorated"])  # the race and the Chat tab
     assert out["duration"] >= out["time_limit"]
     noted = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [n["fn"] for n in noted] == ["generate_sync", "run"]
+    assert [n["fn"] for n in noted] == ["generate_sync", "run", "turn_sync"]
     assert all(n["duration"] == out["duration"] for n in noted)
-    assert out["generated"] is True and out["raced"] is True
+    assert out["generated"] is True and out["raced"] is True and out["chatted"] is True

@@ -115,31 +115,62 @@ def main(argv: list[str] | None = None) -> int:
     return guarded(_main, argv)
 
 
+class _Refused(Exception):
+    """A setting or prompt set the benchmark cannot run: one line on stderr, exit status 2."""
+
+
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out_dir = Path(args.out_dir)
     json_path = Path(args.json) if args.json else out_dir / "results.json"
-
-    from .prompts import PromptFileError, file_prompts, humaneval_prompts
-
     try:
-        prompts = (file_prompts(args.prompts, args.subset, args.limit) if args.prompts
-                   else humaneval_prompts(args.subset, args.limit))
-    except (PromptFileError, ValueError) as err:
+        engine, config, variants, prompts, prompt_ids, skipped = _prepare(args)
+    except _Refused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from tqdm import tqdm
+    use_pass_at_1 = args.pass_at_1 if args.pass_at_1 is not None else not args.prompts
+    if use_pass_at_1 and args.prompts:
+        print("warning: --pass-at-1 needs HumanEval prompts; skipped", file=sys.stderr)
+        use_pass_at_1 = False
+    meta = _meta(args, argv, engine, config, variants, skipped)
+    bar_options = dict(file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
+    runs, interrupted = _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path, bar_options)
 
+    from .report import build_payload, write_json
+
+    meta["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    payload = build_payload(meta, prompts, runs, interrupted=interrupted, complete=not interrupted)
+    write_json(payload, json_path)
+    if not runs:
+        print(f"no completed runs; wrote {json_path}", file=sys.stderr)
+        return 130 if interrupted else 1
+    try:
+        written = _finish(args, payload, prompts, runs, json_path, out_dir, use_pass_at_1, bar_options)
+    except KeyboardInterrupt:  # during pass@1 or the figures: the runs are on disk already
+        print(f"\ninterrupted: the {len(runs)} completed runs are in {json_path}", file=sys.stderr)
+        return 130
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    if _report_mismatches(payload["summary"]["greedy_mismatches"]):
+        return 3
+    return 130 if interrupted else 0
+
+
+def _prepare(args):
+    """Prompts, the engine and the variants to race: (engine, config, variants, prompts, prompt_ids, skipped)."""
     import torch
 
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
     from .methods import plan_variants
-    from .report import build_payload, write_json
-    from .runner import (BenchConfig, encode_prompts, fitting_prompts, git_commit, iterate_runs, machine_info,
-                         now_iso, run_to_dict, warm_up)
+    from .prompts import PromptFileError, file_prompts, humaneval_prompts
+    from .runner import BenchConfig, encode_prompts, fitting_prompts
 
+    try:
+        prompts = (file_prompts(args.prompts, args.subset, args.limit) if args.prompts
+                   else humaneval_prompts(args.subset, args.limit))
+    except (PromptFileError, ValueError) as err:
+        raise _Refused(err) from None
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -147,8 +178,7 @@ def _main(argv: list[str] | None) -> int:
                                         cpu_kernels=not args.no_cpu_kernels),
                              SatSource(adapter=args.adapter))
     except (ModelLoadError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise _Refused(err) from None
     k_list = args.k if args.k else list(range(1, engine.max_k + 1))
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
                          temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,
@@ -159,8 +189,7 @@ def _main(argv: list[str] | None) -> int:
         variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
                                  config.lookup_tokens, engine.max_k, tuple(args.schemes), config.tree_candidates)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise _Refused(err) from None
     max_context = getattr(engine.model.config, "max_position_embeddings", None)
     prompts, prompt_ids, skipped = fitting_prompts(prompts, encode_prompts(engine, prompts), variants, config,
                                                    max_context)
@@ -169,15 +198,16 @@ def _main(argv: list[str] | None) -> int:
               f"the drafts' reach, need {s['needed']} positions; the model's context is {s['max_context']}",
               file=sys.stderr)
     if not prompts:
-        print(f"error: none of the prompts fits the model's context of {max_context} tokens with "
-              f"--max-new-tokens {config.max_new_tokens}", file=sys.stderr)
-        return 2
-    use_pass_at_1 = args.pass_at_1 if args.pass_at_1 is not None else not args.prompts
-    if use_pass_at_1 and args.prompts:
-        print("warning: --pass-at-1 needs HumanEval prompts; skipped", file=sys.stderr)
-        use_pass_at_1 = False
+        raise _Refused(f"none of the prompts fits the model's context of {max_context} tokens with "
+                       f"--max-new-tokens {config.max_new_tokens}")
+    return engine, config, variants, prompts, prompt_ids, skipped
 
-    meta = {
+
+def _meta(args, argv, engine, config, variants, skipped) -> dict:
+    """What every result depends on: the command, the commit, the model, the machine and the settings."""
+    from .runner import git_commit, machine_info, now_iso
+
+    return {
         "date": now_iso(),
         "command": shlex.join(["python", "-m", "sdsat.bench", *(sys.argv[1:] if argv is None else argv)]),
         "git_commit": git_commit(),
@@ -185,18 +215,26 @@ def _main(argv: list[str] | None) -> int:
         "model": {"name": engine.name, "adapter": engine.sat_model.spec.adapter, "sat_kind": engine.sat_model.spec.kind,
                   "sat_trained": engine.sat_trained, "max_k": engine.max_k},
         "machine": machine_info(engine),
-        "settings": {"methods": config.methods, "k": k_list, "schemes": args.schemes, "sample_k": config.sample_k,
-                     "temperatures": config.temperatures, "top_p": config.top_p, "seed": config.seed,
-                     "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
+        "settings": {"methods": config.methods, "k": config.k_list, "schemes": args.schemes,
+                     "sample_k": config.sample_k, "temperatures": config.temperatures, "top_p": config.top_p,
+                     "seed": config.seed, "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
                      "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,
                      "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates,
                      "quick": args.quick, "subset": args.subset,
                      "limit": args.limit, "variants": [v.label for v in variants]},
         "skipped_prompts": skipped,
     }
+
+
+def _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path: Path,
+               bar_options: dict) -> tuple[list[dict], bool]:
+    """Warm up, then every run, saving after each prompt; Ctrl-C keeps what finished: (runs, interrupted)."""
+    from tqdm import tqdm
+
+    from .report import build_payload, write_json
+    from .runner import iterate_runs, run_to_dict, warm_up
+
     runs: list[dict] = []
-    interrupted = False
-    bar_options = dict(file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
     try:
         for _ in tqdm(warm_up(engine, variants, prompt_ids[0], config), total=len(variants) if config.warmup_tokens else 0,
                       desc="warm-up", unit="method", **bar_options):
@@ -212,29 +250,21 @@ def _main(argv: list[str] | None) -> int:
                 if len(runs) % per_prompt == 0:  # a prompt is done: save what we have
                     write_json(build_payload(meta, prompts, runs), json_path)
     except KeyboardInterrupt:
-        interrupted = True
         print(f"\ninterrupted: keeping the {len(runs)} completed runs", file=sys.stderr)
-    meta["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    payload = build_payload(meta, prompts, runs, interrupted=interrupted, complete=not interrupted)
-    write_json(payload, json_path)
-    if not runs:
-        print(f"no completed runs; wrote {json_path}", file=sys.stderr)
-        return 130 if interrupted else 1
-    try:
-        written = _finish(args, payload, prompts, runs, json_path, out_dir, use_pass_at_1, bar_options)
-    except KeyboardInterrupt:  # during pass@1 or the figures: the runs are on disk already
-        print(f"\ninterrupted: the {len(runs)} completed runs are in {json_path}", file=sys.stderr)
-        return 130
-    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-    mismatches = payload["summary"]["greedy_mismatches"]
-    if mismatches:
-        print("\n" + "!" * 78 + f"\nBUG: {len(mismatches)} greedy output(s) differ from vanilla decoding:", file=sys.stderr)
-        for m in mismatches:
-            print(f"  prompt {m['prompt_index']} repeat {m['repeat']} {m['label']}: first difference at token "
-                  f"{m['first_difference']}", file=sys.stderr)
-        print("In float32 greedy outputs must be identical; please report this.\n" + "!" * 78, file=sys.stderr)
-        return 3
-    return 130 if interrupted else 0
+        return runs, True
+    return runs, False
+
+
+def _report_mismatches(mismatches: list[dict]) -> bool:
+    """Say loudly which greedy outputs differ from vanilla's; True if any did."""
+    if not mismatches:
+        return False
+    print("\n" + "!" * 78 + f"\nBUG: {len(mismatches)} greedy output(s) differ from vanilla decoding:", file=sys.stderr)
+    for m in mismatches:
+        print(f"  prompt {m['prompt_index']} repeat {m['repeat']} {m['label']}: first difference at token "
+              f"{m['first_difference']}", file=sys.stderr)
+    print("In float32 greedy outputs must be identical; please report this.\n" + "!" * 78, file=sys.stderr)
+    return True
 
 
 def _finish(args, payload: dict, prompts, runs: list[dict], json_path: Path, out_dir: Path, use_pass_at_1: bool,

@@ -19,11 +19,13 @@ import gradio as gr
 from ..decoding import GenerationResult, StepRecord
 from ..models import ModelLoadError
 from ..prompts import encode_chat
+from . import zerogpu
+from .handlers import visitor_errors, without_paths
 from .presets import SCHEMES, scheme_settings
 from .race import race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html
-from .settings import Limits, RunRequest, SettingError, check_prompt_ids, check_request
+from .settings import Limits, RunRequest, SettingError, check_flag, check_prompt_ids, check_request
 
 ROLES = ("system", "user", "assistant")
 HISTORY_CHARS = 4  # the API's history is cut to this many times the prompt's character limit before tokenizing
@@ -81,6 +83,18 @@ def history_of(turns: list[ChatTurn]) -> list[dict]:
     for turn in turns:
         messages += [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.reply}]
     return messages
+
+
+def check_message(message) -> str:
+    """The visitor's new message: non-empty text; raises SettingError naming it."""
+    if not isinstance(message, str) or not message.strip():
+        raise SettingError("message is empty: type something to say to the model")
+    try:
+        message.encode("utf-8")
+    except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
+        raise SettingError(f"message must be valid Unicode text; it has an unpaired surrogate at character "
+                           f"{err.start}") from None
+    return message
 
 
 def check_history(history) -> list[dict]:
@@ -200,12 +214,19 @@ class Chat:
     def __init__(self, limits: Limits, cache: EngineCache):
         self.limits = limits
         self.cache = cache
+        # The GPU work of the tab and of /chat, booked per call on ZeroGPU (zerogpu.py); the plain methods elsewhere.
+        duration = limits.gpu_duration_s
+        self.respond_on_gpu = zerogpu.gpu(self.respond, duration)
+        self.regenerate_on_gpu = zerogpu.gpu(self.regenerate, duration)
+        self.race_turn_on_gpu = zerogpu.gpu(self.race_turn, duration)
+        self.turn_on_gpu = zerogpu.gpu(self.turn_sync, duration)
 
     def _engine(self, model: str):
         try:
             return self.cache.get(model)
         except ModelLoadError as err:
-            raise SettingError(f"the model {model!r} could not be loaded: {err}") from err
+            raise SettingError(f"the model {model!r} could not be loaded: {without_paths(str(err))}. The next "
+                               "request tries again") from err
 
     def start_turn(self, message, history: list[dict], model, mode, k, max_new_tokens, temperature, top_p, top_k,
                    seed, lookup_tokens, tree_candidates) -> ChatTurn:
@@ -254,12 +275,14 @@ class Chat:
         return turn
 
     # -- the page's events ---------------------------------------------------------------------
+    @visitor_errors
     def respond(self, message: str, turns: list[ChatTurn] | None, model: str, scheme: str, mode: str,
                 temperature: float, max_new_tokens: int) -> Iterator[tuple]:
         """Send: (chatbot, turns, message box) as the reply grows."""
         turns = list(turns or [])
         yield from self._reply(message, turns, model, scheme, mode, temperature, max_new_tokens, runs=1, clear_box=True)
 
+    @visitor_errors
     def regenerate(self, turns: list[ChatTurn] | None, model: str, scheme: str, mode: str, temperature: float,
                    max_new_tokens: int) -> Iterator[tuple]:
         """Decode the last turn again (a new seed when sampling); the turns before it stay as they are."""
@@ -274,12 +297,11 @@ class Chat:
         box = "" if clear_box else gr.skip()
         try:
             preset = scheme_settings(scheme)
-            if not isinstance(message, str) or not message.strip():
-                raise SettingError("message is empty: type something to say to the model")
+            check_message(message)
             turn = self.start_turn(message, history_of(turns), model, mode, preset["k"], max_new_tokens, temperature,
                                    CHAT_TOP_P, CHAT_TOP_K, runs - 1, preset["lookup_tokens"], preset["tree_candidates"])
         except SettingError as err:
-            raise gr.Error(str(err), title="Invalid setting") from err
+            raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         turn.runs = runs
         turns.append(turn)
         yield messages_of(turns), turns, box
@@ -287,6 +309,7 @@ class Chat:
         for turn in self.decode(turn, cancel):
             yield messages_of(turns), turns, gr.skip()
 
+    @visitor_errors
     def race_turn(self, turns: list[ChatTurn] | None) -> Iterator[tuple]:
         """Race this turn: vanilla decodes the last turn's prompt; the badge shows whether the ids match."""
         turns = list(turns or [])
@@ -319,6 +342,7 @@ class Chat:
         return [], []
 
     # -- API -----------------------------------------------------------------------------------
+    @visitor_errors
     async def turn(self, message: str, history: list[dict] | None = None, model: str = "", mode: str = "greedy",
                    k: int = SCHEMES["fastest"]["k"], max_new_tokens: int = 64, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: int = 0, seed: int = 0,
@@ -332,10 +356,11 @@ class Chat:
         afterwards and `identical` says whether greedy SDSAT gave the same token ids.
         """
         cancel = threading.Event()
+        stop = () if zerogpu.on_zero_gpu() else (cancel,)  # an Event cannot reach ZeroGPU's process (zerogpu.py)
         try:
-            return await anyio.to_thread.run_sync(self.turn_sync, message, history, model, mode, k, max_new_tokens,
+            return await anyio.to_thread.run_sync(self.turn_on_gpu, message, history, model, mode, k, max_new_tokens,
                                                   temperature, top_p, top_k, seed, lookup_tokens, tree_candidates,
-                                                  check_vanilla, cancel, abandon_on_cancel=True)
+                                                  check_vanilla, *stop, abandon_on_cancel=True)
         finally:
             cancel.set()
 
@@ -343,12 +368,12 @@ class Chat:
                   lookup_tokens, tree_candidates, check_vanilla=False, cancel: threading.Event | None = None) -> dict:
         cancel = cancel or threading.Event()
         try:
-            if not isinstance(message, str) or not message.strip():
-                raise SettingError("message is empty: type something to say to the model")
+            check_message(message)
+            check_vanilla = check_flag("check_vanilla", check_vanilla)
             turn = self.start_turn(message, check_history(history), model or self.limits.models[0], mode, k,
                                    max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens, tree_candidates)
         except SettingError as err:
-            raise gr.Error(str(err), title="Invalid setting") from err
+            raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         for turn in self.decode(turn, cancel):
             pass
         if check_vanilla and turn.request.mode == "greedy" and turn.result is not None:

@@ -11,6 +11,8 @@ the model, or not reached (below a candidate it turned down); the drafts shown a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..decoding import StepRecord
 from .race import RaceRecord
 from .render import choice_name, esc, esc_title, source_class, visible
@@ -31,108 +33,146 @@ def context_ids(record: RaceRecord, index: int) -> list[int]:
     return record.prompt_ids + done
 
 
+@dataclass
+class _View:
+    """One iteration as the explorer draws it."""
+
+    record: RaceRecord
+    step: StepRecord
+    index: int
+    c: int  # the last token before the iteration, not yet in the KV cache
+
+    def __post_init__(self) -> None:
+        step = self.step
+        self.word = self.record.vocab.get
+        self.k, self.a = step.k, step.accepted
+        self.copied = step.draft_source == "lookup"  # the drafts are prompt lookup's copies, not the SATs'
+        self.drafted = step.draft_pass  # a draft pass gave t (without one, the drafts follow c directly)
+        self.d = "l" if self.copied else "d"  # what the draft columns are called
+        self.bonus = step.tokens[-1] if step.sources and step.sources[-1] == "bonus" else None
+
+
 def explorer_html(record: RaceRecord | None, index: int) -> str:
     """HTML for iteration `index` (0-based) of the record's SDSAT run."""
     if record is None or not record.sdsat.steps:
         return '<div class="explorer empty">Run a prompt, then step through its SDSAT iterations here.</div>'
     steps = record.sdsat.steps
     index = max(0, min(index, len(steps) - 1))
-    step: StepRecord = steps[index]
-    word = record.vocab.get
-    k, a = step.k, step.accepted
     ctx = context_ids(record, index)
-    tail, c = ctx[-9:-1], ctx[-1]
-    greedy = record.greedy
-    bonus = step.tokens[-1] if step.sources and step.sources[-1] == "bonus" else None
-    copied = step.draft_source == "lookup"  # the drafts are prompt lookup's copies, not the SATs'
-    drafted = step.draft_pass  # a draft pass gave t (without one, the drafts follow c directly)
-    d = "l" if copied else "d"  # what the draft columns are called
+    view = _View(record, steps[index], index, ctx[-1])
+    rows = _draft_rows(view) + _verify_rows(view) + [("Verdict", _verdict(view))]
+    return (f'<div class="explorer">{_head(view, len(steps))}{_context(view, ctx[-9:-1])}{_table(view, rows)}'
+            f'{_result(view)}</div>')
 
+
+def _head(v: _View, iterations: int) -> str:
+    step = v.step
     verify = f"verify pass {step.verify_pass_seconds * 1e3:.0f} ms"
-    passes = f"draft pass {step.draft_pass_seconds * 1e3:.0f} ms · {verify}" if drafted else verify
-    head = (f'<div class="ex-head"><b>Iteration {index + 1} of {len(steps)}</b> · '
-            + (f"{k} tokens copied by prompt lookup" if copied else f"k = {k} adaptive tokens")
+    passes = f"draft pass {step.draft_pass_seconds * 1e3:.0f} ms · {verify}" if v.drafted else verify
+    return (f'<div class="ex-head"><b>Iteration {v.index + 1} of {iterations}</b> · '
+            + (f"{v.k} tokens copied by prompt lookup" if v.copied else f"k = {v.k} adaptive tokens")
             + (f" · the verify pass checked {step.candidates} candidates (a draft tree: the SATs' runner-ups too); "
                "shown is the path it walked" if step.candidates > len(step.drafts) else "")
             + f' · cache {step.kv_len_before} → {step.kv_len} tokens · {passes} · emitted <b>{len(step.tokens)}</b> '
-            f'tokens for {step.forward_passes} forward pass{"es" if drafted else ""}</div>')
-    context = ('<div class="ex-context"><span class="ex-label">Context (tail)</span> … '
-               + "".join(_chip(word(t, ""), "ctx") for t in tail)
-               + _chip(word(c, ""), "ctx pending", "c: the last token, not yet in the KV cache")
-               + ' <span class="muted">← c</span></div>')
+            f'tokens for {step.forward_passes} forward pass{"es" if v.drafted else ""}</div>')
 
-    cols = range(k + 2)
+
+def _context(v: _View, tail: list[int]) -> str:
+    return ('<div class="ex-context"><span class="ex-label">Context (tail)</span> … '
+            + "".join(_chip(v.word(t, ""), "ctx") for t in tail)
+            + _chip(v.word(v.c, ""), "ctx pending", "c: the last token, not yet in the KV cache")
+            + ' <span class="muted">← c</span></div>')
+
+
+def _draft_rows(v: _View) -> list[tuple[str, list[str]]]:
+    """Step 1, [c, SAT_1..SAT_K] -> t (and K drafts), and what replaced or joined the drafts."""
+    step, word, k = v.step, v.word, v.k
     rows = []
-    if drafted:  # Step 1: [c, SAT_1..SAT_K] -> t (and K drafts)
-        t = step.tokens[0]
-        out1 = [_chip(word(t, ""), "src-verified", "t: what vanilla decoding would emit here") + _sub("t (certain)")]
-        if copied:
-            sats = record.settings.get("k", "k")
-            fed1 = [_chip(word(c, ""), "pending", "c"), f'<span class="chip sat">SAT×{sats}</span>']
+    if v.drafted:
+        out1 = [_chip(word(step.tokens[0], ""), "src-verified", "t: what vanilla decoding would emit here")
+                + _sub("t (certain)")]
+        if v.copied:
+            sats = v.record.settings.get("k", "k")
+            fed1 = [_chip(word(v.c, ""), "pending", "c"), f'<span class="chip sat">SAT×{sats}</span>']
             out1.append(_sub("SAT drafts set aside: t completes text that occurred before, so the tokens that "
                              "followed it there are verified instead"))
         else:
-            fed1 = [_chip(word(c, ""), "pending", "c")] + [f'<span class="chip sat">SAT<sub>{j}</sub></span>'
-                                                           for j in range(1, k + 1)]
+            fed1 = [_chip(word(v.c, ""), "pending", "c")] + [f'<span class="chip sat">SAT<sub>{j}</sub></span>'
+                                                             for j in range(1, k + 1)]
             ranks = step.draft_ranks or [0] * k
             out1 += [_chip(word(dj, ""), "draft", f"draft d{j}: the SAT's {choice_name(ranks[j - 1])}")
-                     + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}" + (f" · {choice_name(ranks[j - 1])}" if ranks[j - 1] else ""))
+                     + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}"
+                            + (f" · {choice_name(ranks[j - 1])}" if ranks[j - 1] else ""))
                      for j, dj in enumerate(step.drafts, start=1)]
         rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
         rows.append(("Step 1 · predicted", _pad(out1, k + 2)))
         if step.tree_paths:
             rows.append(("Draft tree · every candidate verified", _tree_cells(step, word, k)))
-    first = step.tokens[0] if drafted else c  # what the verify pass starts from
-    if copied:
+    if v.copied:
         rows.append(("Prompt lookup copied", _pad(['<span class="muted">—</span>'] + [
-            _chip(word(l, ""), "copy", f"l{j}: the token that followed this text where it occurred before")
-            + _sub(f"l{j}") for j, l in enumerate(step.drafts, start=1)], k + 2)))
-    # Verify: [t or c, drafts] -> the model's own choice for positions 1..k+1
-    name = "t" if drafted else "c"
-    fed2 = _pad([_chip(word(first, ""), "src-verified" if drafted else "pending")] + [
-        _chip(word(x, ""), "copy" if copied else "draft") for x in step.drafts], k + 2)
+            _chip(word(tok, ""), "copy", f"l{j}: the token that followed this text where it occurred before")
+            + _sub(f"l{j}") for j, tok in enumerate(step.drafts, start=1)], v.k + 2)))
+    return rows
+
+
+def _verify_rows(v: _View) -> list[tuple[str, list[str]]]:
+    """The verify pass, [t or c, drafts] -> the model's own choice for positions 1..k+1."""
+    step, word = v.step, v.word
+    first, name = (step.tokens[0], "t") if v.drafted else (v.c, "c")  # what the verify pass starts from
+    fed = _pad([_chip(word(first, ""), "src-verified" if v.drafted else "pending")] + [
+        _chip(word(x, ""), "copy" if v.copied else "draft") for x in step.drafts], v.k + 2)
     choice = ['<span class="muted">—</span>']
     for j, pred in enumerate(step.predictions, start=1):
-        label = f"model's choice after {name if j == 1 else f'{d}{j - 1}'}" + ("" if greedy else " (argmax of p)")
+        label = (f"model's choice after {name if j == 1 else f'{v.d}{j - 1}'}"
+                 + ("" if v.record.greedy else " (argmax of p)"))
         choice.append(_chip(word(pred, ""), "pred", label))
-    verify = "Step 2 · verify pass" if drafted else "Verify pass"
-    rows.append((f"{verify} fed", fed2))
-    rows.append((f"{verify} · model's choice", _pad(choice, k + 2)))
-    # Verdict per position
-    verdict = ['<span class="verdict ok">kept</span>' if drafted else '<span class="muted">(emitted before)</span>']
-    for j in range(1, k + 1):
+    verify = "Step 2 · verify pass" if v.drafted else "Verify pass"
+    return [(f"{verify} fed", fed), (f"{verify} · model's choice", _pad(choice, v.k + 2))]
+
+
+def _verdict(v: _View) -> list[str]:
+    """Per position: kept, accepted, rejected, not reached; the bonus token after the accepted ones."""
+    a = v.a
+    verdict = ['<span class="verdict ok">kept</span>' if v.drafted else '<span class="muted">(emitted before)</span>']
+    for j in range(1, v.k + 1):
         if j <= a:
             verdict.append('<span class="verdict ok">✓ accepted</span>')
-        elif j > len(step.drafts):  # a draft tree's path ended in a runner-up with no candidates below it
+        elif j > len(v.step.drafts):  # a draft tree's path ended in a runner-up with no candidates below it
             verdict.append('<span class="verdict skip">no candidate on this path</span>')
         elif j == a + 1:
             verdict.append('<span class="verdict bad">✗ rejected</span>')
         else:
             verdict.append('<span class="verdict skip">not reached</span>')
     verdict.append("")
-    if bonus is not None:
-        verdict[a + 1] += _chip(word(bonus, ""), "src-bonus", "bonus: the model's own token here") + _sub("bonus")
-    rows.append(("Verdict", verdict))
+    if v.bonus is not None:
+        verdict[a + 1] += _chip(v.word(v.bonus, ""), "src-bonus", "bonus: the model's own token here") + _sub("bonus")
+    return verdict
 
+
+def _table(v: _View, rows: list[tuple[str, list[str]]]) -> str:
+    cols, k, d = range(v.k + 2), v.k, v.d
+    name = "t" if v.drafted else "c"
     header = "".join(f"<th>{name if j == 0 else (f'{d}{j}' if j <= k else f'after {d}{k}')}</th>" for j in cols)
     body = "".join(
         f'<tr><th class="row">{esc(label)}</th>' + "".join(f"<td>{cells[j]}</td>" for j in cols) + "</tr>"
         for label, cells in rows)
-    table = f'<div class="ex-scroll"><table class="ex-table"><tr><th></th>{header}</tr>{body}</table></div>'
+    return f'<div class="ex-scroll"><table class="ex-table"><tr><th></th>{header}</tr>{body}</table></div>'
 
-    emitted = "".join(_chip(record.pieces["sdsat"][_offset(record, index) + j], f"src-{source_class(step, src)}")
+
+def _result(v: _View) -> str:
+    step, record, a = v.step, v.record, v.a
+    emitted = "".join(_chip(record.pieces["sdsat"][_offset(record, v.index) + j], f"src-{source_class(step, src)}")
                       for j, src in enumerate(step.sources))
-    kind = ("copy" if a == 1 else "copies") if copied else ("draft" if a == 1 else "drafts")
-    rule = ("Greedy: a draft is accepted when it equals the model's choice at its position and every earlier draft was accepted."
-            if greedy else
+    kind = ("copy" if a == 1 else "copies") if v.copied else ("draft" if a == 1 else "drafts")
+    rule = ("Greedy: a draft is accepted when it equals the model's choice at its position and every earlier draft "
+            "was accepted." if record.greedy else
             "Sampling: draft d<sub>j</sub> is accepted with probability min(1, p/q); at the first rejection the token is "
             "drawn from the normalised max(0, p − q), so the output follows the model's own distribution exactly."
-            + (" A copy has q = 1 on itself." if copied else ""))
-    result = (f'<div class="ex-result"><span class="ex-label">Emitted</span> {emitted} '
-              f'<span class="muted">= {"t + " if drafted else ""}{a} accepted {kind}'
-              f'{" + bonus" if bonus is not None else ""}; rejected drafts left the cache.</span></div>'
-              f'<div class="ex-rule muted">{rule}</div>')
-    return f'<div class="explorer">{head}{context}{table}{result}</div>'
+            + (" A copy has q = 1 on itself." if v.copied else ""))
+    return (f'<div class="ex-result"><span class="ex-label">Emitted</span> {emitted} '
+            f'<span class="muted">= {"t + " if v.drafted else ""}{a} accepted {kind}'
+            f'{" + bonus" if v.bonus is not None else ""}; rejected drafts left the cache.</span></div>'
+            f'<div class="ex-rule muted">{rule}</div>')
 
 
 def _tree_cells(step: StepRecord, word, k: int) -> list[str]:
