@@ -66,8 +66,9 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                             label="Examples (what each gives was checked on this model)",
                             example_labels=[label for _, label in RAW_EXAMPLES])
                 with gr.Column(visible=CHAT_SHOWN) as chat_examples:  # only for a model with a chat template
-                    gr.Examples([row for row, _ in CHAT_PROMPT_EXAMPLES], inputs=[prompt, chat], api_visibility="private",
-                                label="Chat examples", example_labels=[label for _, label in CHAT_PROMPT_EXAMPLES])
+                    gr.Examples([row for row, _ in CHAT_PROMPT_EXAMPLES], inputs=[prompt, chat],
+                                api_visibility="private", label="Chat examples",
+                                example_labels=[label for _, label in CHAT_PROMPT_EXAMPLES])
                 scheme = gr.Radio([*SCHEME_LABELS, CUSTOM], value=DEFAULT_SCHEME, label="Scheme", elem_id="scheme",
                                   info="fastest: the settings measured fastest (README, Results), beyond the paper. "
                                        "paper: the paper's two-step SATs alone. Both give output identical to vanilla.")
@@ -97,16 +98,20 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             with gr.Column(scale=2):
                 headline = gr.HTML('<div class="check info">Press <b>Run the race</b>. Vanilla decoding runs first, '
                                    'then SDSAT — one after the other, never at the same time, because on a 2-core '
-                                   'machine they would slow each other down. <b>Replay</b> then shows both on one clock.</div>',
+                                   'machine they would slow each other down. <b>Replay</b> then shows both on one '
+                                   'clock.</div>',
                                    js_on_load=None, label="headline")
                 with gr.Row(equal_height=False):
                     with gr.Column(min_width=280):
-                        gr.HTML('<div class="pane-title">Vanilla decoding <span class="muted">· one token per forward pass</span></div>', js_on_load=None)
-                        vanilla_out = gr.HTML(waiting_html("Vanilla output appears here."), js_on_load=None, elem_id="vanilla-out",
-                                              label="vanilla_output")
+                        gr.HTML('<div class="pane-title">Vanilla decoding '
+                                '<span class="muted">· one token per forward pass</span></div>', js_on_load=None)
+                        vanilla_out = gr.HTML(waiting_html("Vanilla output appears here."), js_on_load=None,
+                                              elem_id="vanilla-out", label="vanilla_output")
                     with gr.Column(min_width=280):
-                        gr.HTML('<div class="pane-title">SDSAT <span class="muted">· draft with SATs, verify in one pass</span></div>', js_on_load=None)
-                        sdsat_out = gr.HTML(waiting_html("SDSAT output appears here, coloured by where each token came from."),
+                        gr.HTML('<div class="pane-title">SDSAT <span class="muted">'
+                                '· draft with SATs, verify in one pass</span></div>', js_on_load=None)
+                        sdsat_out = gr.HTML(waiting_html("SDSAT output appears here, "
+                                                         "coloured by where each token came from."),
                                             js_on_load=None, elem_id="sdsat-out", label="sdsat_output")
                 gr.HTML(legend_html(), js_on_load=None)
                 replay_btn = gr.Button("▶ Replay both on one clock, at the measured speed", size="sm")
@@ -128,14 +133,18 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             pass_plot = gr.Plot(label="Time per forward pass", show_label=False)
         with gr.Accordion("Metrics, defined", open=False):
             gr.Markdown(
-                "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), measured inside the decoder.\n"
+                "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), "
+                "measured inside the decoder.\n"
                 "- **Speed-up**: SDSAT tokens/s ÷ vanilla tokens/s, same prompt, same run, same machine.\n"
                 "- **Tokens per iteration** (mean accepted length): new tokens per SDSAT iteration, *counting* the "
-                "step-1 token t and the bonus token — so it is 2 + accepted drafts, and 2.0 means no draft was accepted "
+                "step-1 token t and the bonus token — so it is 2 + accepted drafts, "
+                "and 2.0 means no draft was accepted "
                 "(1 + accepted copies when prompt lookup's copies were verified without a draft pass).\n"
                 "- **Forward passes per token**: forward passes of the model ÷ new tokens (vanilla: 1.0). "
-                "Each SDSAT iteration costs 2 passes (1 when prompt lookup's copies are verified without a draft pass).\n"
-                "- **Acceptance rate per draft position**: of the iterations that drafted position *i*, the share in which draft *i* was accepted.\n"
+                "Each SDSAT iteration costs 2 passes "
+                "(1 when prompt lookup's copies are verified without a draft pass).\n"
+                "- **Acceptance rate per draft position**: of the iterations that drafted position *i*, "
+                "the share in which draft *i* was accepted.\n"
                 "- **Timing honesty**: the two decoders run one after the other in a worker thread that does nothing "
                 "else; the page updates in between never fall inside a decoder's clock.")
         with gr.Accordion("Run data (JSON, also returned by the API)", open=False):
@@ -146,7 +155,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                     "settings), coloured like the race: hover a token for its step and probability. The badge under a "
                     "reply gives its tokens/s and tokens per forward pass. The check against vanilla decoding runs "
                     "**only when you press *Race this turn***, so a reply arrives as fast as SDSAT gives it and your "
-                    "next message never waits behind a check. The conversation goes through the model's chat template; when it outgrows "
+                    "next message never waits behind a check. The conversation goes through the model's chat "
+                    "template; when it outgrows "
                     "the prompt limit the oldest messages are left out, and the reply says so.")
         turns = gr.State([])  # this visitor's conversation (ChatTurn records)
         chatbot = gr.Chatbot(elem_id="chatbot", height=480, show_label=False, feedback_options=None,
@@ -222,8 +232,9 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
         for trigger, fn, inputs in ((send_btn.click, chat_page.respond_on_gpu, [chat_msg, turns, *chat_inputs]),
                                     (chat_msg.submit, chat_page.respond_on_gpu, [chat_msg, turns, *chat_inputs]),
                                     (regen_btn.click, chat_page.regenerate_on_gpu, [turns, *chat_inputs]))]
-    chat_events.append(race_turn_btn.click(chat_page.race_turn_on_gpu, turns, [chatbot, turns], api_visibility="private",
-                                           concurrency_limit=limits.concurrency, concurrency_id="model"))
+    chat_events.append(race_turn_btn.click(chat_page.race_turn_on_gpu, turns, [chatbot, turns],
+                                           api_visibility="private", concurrency_limit=limits.concurrency,
+                                           concurrency_id="model"))
     chat_stop_btn.click(chat_page.stopped, turns, [chatbot, turns], cancels=chat_events, api_visibility="private")
     clear_btn.click(chat_page.clear, None, [chatbot, turns], cancels=chat_events, api_visibility="private")
     chatbot.clear(chat_page.clear, None, [chatbot, turns], cancels=chat_events,

@@ -4,7 +4,8 @@ Decoding is greedy unless --sample or --temperature is given. Without --json the
 stdout as it is decoded, followed by the statistics; with --json stdout holds exactly one JSON
 object (GenerationResult.to_dict() plus the model and settings). Logs, warnings and progress bars
 go to stderr. A bad setting, a model that cannot be loaded or any other error ends with exit status 2
-and one line on stderr (SDSAT_TRACEBACK=1 adds the traceback); Ctrl-C ends with 130 and "interrupted". Training and the benchmark have their own entry points: `python -m sdsat.train` and
+and one line on stderr (SDSAT_TRACEBACK=1 adds the traceback); Ctrl-C ends with 130 and "interrupted". \
+Training and the benchmark have their own entry points: `python -m sdsat.train` and
 `python -m sdsat.bench`.
 """
 
@@ -53,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="SDSAT two_step: adapt k to recent acceptance, up to --k (default off: k fixed)")
     what.add_argument("--lookup", type=int, default=0, metavar="N",
                       help="SDSAT two_step: when the last tokens occurred before in the prompt or output, verify up "
-                           "to N tokens copied from there (prompt lookup) instead of SAT drafts; 0..64, default 0 (off)")
+                           "to N tokens copied from there (prompt lookup) instead of SAT drafts; "
+                           "0..64, default 0 (off)")
     what.add_argument("--tree", type=int, default=0, metavar="N",
                       help="SDSAT two_step, greedy: also verify N of the SATs' runner-up candidates in each verify "
                            f"pass (a draft tree); 0..{MAX_TREE_CANDIDATES}, default 0 (the chain)")

@@ -88,7 +88,8 @@ def _available_variants(total_bytes: int) -> tuple[str, ...]:
 def _groups(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
     groups: dict[tuple[int, int], list[nn.Linear]] = {}
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+        if (isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
+                and module.weight.dtype == torch.float32):
             groups.setdefault(tuple(module.weight.shape), []).append(module)
     return groups
 
@@ -141,7 +142,8 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
         tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
         try:
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
+            kept = {k: v for k, v in _read(cache_file).items()
+                    if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
             tmp.write_text(json.dumps(kept | {key: plan.summary()}, indent=1))
             tmp.replace(cache_file)
         except OSError:  # a read-only home: tune again next time

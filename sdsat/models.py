@@ -88,7 +88,8 @@ def load_model(config: LoadConfig | None = None):
         from . import cpu_kernels
 
         plan = cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json")
-        log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan), plan.seconds)
+        log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan),
+                 plan.seconds)
     return model, tokenizer
 
 

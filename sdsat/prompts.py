@@ -19,7 +19,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: boo
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
-        raise ValueError(f"prompt must be valid Unicode text; it has an unpaired surrogate at character {err.start}") from None
+        raise ValueError(f"prompt must be valid Unicode text; "
+                         f"it has an unpaired surrogate at character {err.start}") from None
     split = not allow_special
 
     def tokens(text: str, split_special: bool, add_special: bool = False) -> list[int]:
@@ -35,7 +36,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: boo
         raise ValueError("this model has no chat template; turn chat off to continue raw text")
     # Render the template around a placeholder, so the template's own special tokens stay special
     # while the visitor's text is tokenized as text.
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                             add_generation_prompt=True)
     before, after = rendered.split(_MARK)
     return tokens(before, False) + tokens(prompt, split) + tokens(after, False)
 

@@ -332,7 +332,8 @@ class SatModel:
         return getattr(self.model.config, "model_type", None) in self._PLAIN_HEAD_TYPES
 
     def hidden_states(self, input_ids: torch.Tensor, sat_slots: torch.Tensor | None = None, cache=None,
-                      attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states (B, T, H) of the same block `forward` takes; `head` turns chosen rows into logits."""
         return self._run(self.model.get_decoder(), input_ids, sat_slots, cache=cache, attention_mask=attention_mask,
                          position_ids=position_ids).last_hidden_state

@@ -3,7 +3,8 @@
 A SAT drafts a distribution q_j for the token j + 1 places after t; the chain verifies only the top
 token of each. Where a pass over a few more tokens costs little more (a GPU, and CPUs whose small
 products are bound by overheads rather than arithmetic: measure with `python -m sdsat.bench.pass_cost`),
-a few more candidates ride along almost for free. A tree is a set of rank paths, as in Medusa: (0, 1) is the SAT's second choice at
+a few more candidates ride along almost for free. A tree is a set of rank paths, as in Medusa: \
+(0, 1) is the SAT's second choice at
 depth 2 placed after its first choice at depth 1. Every candidate sees t, its ancestors and itself,
 and stands at its depth. Greedy verification walks down from t, taking the child that equals the
 model's own next token; the result is exactly greedy decoding. Sampling keeps the chain (a tree

@@ -236,7 +236,8 @@ def _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path: P
 
     runs: list[dict] = []
     try:
-        for _ in tqdm(warm_up(engine, variants, prompt_ids[0], config), total=len(variants) if config.warmup_tokens else 0,
+        for _ in tqdm(warm_up(engine, variants, prompt_ids[0], config),
+                      total=len(variants) if config.warmup_tokens else 0,
                       desc="warm-up", unit="method", **bar_options):
             pass
         total = len(prompts) * config.repeats * len(variants)

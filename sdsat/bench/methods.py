@@ -45,7 +45,8 @@ class _Scheme(NamedTuple):
 
 
 _SCHEME_PARTS = {"two_step": _Scheme("two_step", False, False, ""), "fused": _Scheme("fused", False, False, "fused"),
-                 "lookup": _Scheme("two_step", True, False, "+lookup"), "tree": _Scheme("two_step", False, True, "+tree"),
+                 "lookup": _Scheme("two_step", True, False, "+lookup"),
+                 "tree": _Scheme("two_step", False, True, "+tree"),
                  "lookup_tree": _Scheme("two_step", True, True, "+lookup+tree")}
 BENCH_SCHEMES = tuple(_SCHEME_PARTS)
 
@@ -200,7 +201,8 @@ def _run_engine(engine: Engine, variant: Variant, prompt_ids, config: DecodeConf
                kinds_per_iteration=[s.kind for s in steps])
 
 
-def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat) -> Run:
+def _run_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index,
+                  repeat) -> Run:
     model = engine.model
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt_ids], device=device)  # (1, T)

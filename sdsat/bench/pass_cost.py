@@ -48,7 +48,8 @@ def measure_settings(engine, sizes: list[int], context: int, repeats: int, setti
             for kind, table in times[name].items():
                 for size in table:
                     ids = torch.randint(0, vocab, (1, size if kind == "plain" else size + 1), generator=gen).to(device)
-                    slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
+                    slots = (None if kind == "plain"
+                             else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device))
                     start = timing.now(device)
                     with torch.inference_mode():
                         sat_model.forward(ids, slots, cache=cache, logits_to_keep=ids.shape[1])

@@ -51,7 +51,8 @@ def encode_prompts(engine: Engine, prompts: list[BenchPrompt]) -> list[list[int]
 
 
 def fitting_prompts(prompts: list[BenchPrompt], prompt_ids: list[list[int]], variants: list[Variant],
-                    config: BenchConfig, max_context: int | None) -> tuple[list[BenchPrompt], list[list[int]], list[dict]]:
+                    config: BenchConfig,
+                    max_context: int | None) -> tuple[list[BenchPrompt], list[list[int]], list[dict]]:
     """The prompts whose every run fits the model's context, renumbered from 0, and the skipped ones.
 
     A run needs the prompt, the new tokens and the positions its drafts reach past them; this counts
@@ -66,7 +67,8 @@ def fitting_prompts(prompts: list[BenchPrompt], prompt_ids: list[list[int]], var
     for prompt, ids in zip(prompts, prompt_ids):
         needed = len(ids) + config.max_new_tokens + reach
         if needed > max_context:
-            skipped.append({"name": prompt.name, "prompt_tokens": len(ids), "needed": needed, "max_context": max_context})
+            skipped.append({"name": prompt.name, "prompt_tokens": len(ids), "needed": needed,
+                            "max_context": max_context})
             continue
         prompt.index = len(kept)  # runs name prompts by position: keep it dense
         kept.append(prompt)

@@ -15,7 +15,8 @@ def _load(values) -> str:
 
 def _acceptance(row: dict, positions: int = 4) -> str:
     acc = row["acceptance_by_position"][:positions]
-    return " ".join(f"{a:.2f}" for a in acc) + (" …" if len(row["acceptance_by_position"]) > positions else "") if acc else "–"
+    return (" ".join(f"{a:.2f}" for a in acc) + (" …" if len(row["acceptance_by_position"]) > positions else "")
+            if acc else "–")
 
 
 def markdown_table(payload: dict) -> str:
@@ -31,8 +32,10 @@ def markdown_table(payload: dict) -> str:
         f"{_load(machine.get('load_average_at_start'))} at start, {_load(machine.get('load_average_at_end'))} at end; "
         f"{meta['date']}.",
         "",
-        "| method | tokens/s (median) | speed-up vs vanilla (median, min–max; overall; Spec-Bench) | tokens / forward pass "
-        "| mean tokens / iteration (bonus counted) | acceptance by draft position 1.. | identical to vanilla | HumanEval pass@1 |",
+        "| method | tokens/s (median) | speed-up vs vanilla (median, min–max; overall; Spec-Bench) "
+        "| tokens / forward pass "
+        "| mean tokens / iteration (bonus counted) | acceptance by draft position 1.. "
+        "| identical to vanilla | HumanEval pass@1 |",
         "|---|---:|---:|---:|---:|---|---:|---:|",
     ]
     for row in summary["variants"]:
@@ -76,7 +79,8 @@ def notes(payload: dict) -> list[str]:
             out.append("- Greedy outputs were not checked against vanilla: vanilla was not run.")
     best = best_sdsat_greedy(summary)
     if best is not None:
-        line = (f"- Best SDSAT greedy setting: {best['label'].removeprefix('sdsat_greedy ')}, {best['median_speedup']:.2f}× vanilla, "
+        line = (f"- Best SDSAT greedy setting: {best['label'].removeprefix('sdsat_greedy ')}, "
+                f"{best['median_speedup']:.2f}× vanilla, "
                 f"{best['tokens_per_forward_pass']:.2f} tokens per forward pass, "
                 f"{best['mean_tokens_per_iteration']:.2f} tokens per iteration (bonus counted)")
         if best.get("median_speedup_vs_prompt_lookup") is not None:

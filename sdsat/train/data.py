@@ -85,7 +85,8 @@ def function_prompts(documents: Iterable[str], keep: HumanEvalFilter, limit: int
             start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             text = "".join(lines[start - 1:body0.end_lineno])
             indent = len(text) - len(text.lstrip())
-            text = "".join(line[indent:] if line[:indent].isspace() else line for line in text.splitlines(keepends=True))
+            text = "".join(line[indent:] if line[:indent].isspace() else line
+                           for line in text.splitlines(keepends=True))
             if 40 < len(text) < 800 and not keep(text):
                 prompts.append(text)
     rng.shuffle(prompts)

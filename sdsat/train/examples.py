@@ -16,7 +16,8 @@ import torch
 from ..layout import SatLayout
 
 
-def sample_layout(n: int, runs: int, run_length: int, generator: torch.Generator, min_run_length: int | None = None) -> SatLayout:
+def sample_layout(n: int, runs: int, run_length: int, generator: torch.Generator,
+                  min_run_length: int | None = None) -> SatLayout:
     """Pick `runs` distinct insertion points in an N-token sequence.
 
     A run after p needs the label at p+L+1 <= N-1, so p <= N-3 and L <= N-2-p. Run lengths are

@@ -22,7 +22,8 @@ def record_figure(record: dict, smooth: int = 9) -> go.Figure:
     for source in sorted({name for e in record["evals"] for name in e["acceptance_by_position"]}):
         evals = [e for e in record["evals"] if source in e["acceptance_by_position"]]
         for j in range(len(evals[0]["acceptance_by_position"][source])):
-            fig.add_trace(go.Scatter(x=[e["step"] for e in evals], y=[e["acceptance_by_position"][source][j] for e in evals],
+            fig.add_trace(go.Scatter(x=[e["step"] for e in evals],
+                                     y=[e["acceptance_by_position"][source][j] for e in evals],
                                      name=f"{source}: draft {j + 1}", legendgroup=source, mode="lines+markers"),
                           row=1, col=2)
     fig.update_xaxes(title_text="optimizer step")

@@ -30,7 +30,8 @@ from transformers import DynamicCache
 
 from ..models import DEFAULT_MODEL, LoadConfig, load_model
 from ..sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
-from .data import Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts, self_distill, stdlib_files
+from .data import (Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts,
+                   self_distill, stdlib_files)
 from ..layout import SatLayout
 from .examples import sample_layout
 from .report import record_figure
@@ -48,8 +49,8 @@ class TrainConfig:
     num_sats: int = 5  # SATs trained = largest k the decoder may use
     rank: int = 16  # adapter: LoRA rank of the SAT-only updates (0: embeddings only)
     alpha: float = 32.0  # adapter: LoRA scale numerator
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                                 "down_proj"])
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"])
     layers: list[int] | None = None  # adapter: decoder layers with updates; None for inject_layer and above
     inject_layer: int = 10  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
@@ -70,7 +71,8 @@ class TrainConfig:
     chat_prompts: int = 340  # chat instructions for self-distillation
     distill_tokens: int = 192  # new tokens per self-distilled completion
     distill_batch: int = 48  # completions generated at once
-    weights: dict[str, float] = field(default_factory=lambda: {"code": 0.1, "code_completions": 0.45, "chat_completions": 0.45})
+    weights: dict[str, float] = field(default_factory=lambda: {"code": 0.1, "code_completions": 0.45,
+                                                               "chat_completions": 0.45})
     held_out: int = 8  # sequences per source kept for evaluation
     eval_every: int = 125  # steps between acceptance evaluations
     checkpoint_every: int = 25  # steps between checkpoints
@@ -169,7 +171,8 @@ def sat_logits(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, keep_s
     return logits[:, :len(keep_standard)], logits[:, len(keep_standard):]
 
 
-def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor, layout: SatLayout) -> tuple[torch.Tensor, list[float]]:
+def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
+             layout: SatLayout) -> tuple[torch.Tensor, list[float]]:
     """Weighted SAT loss (plus the LM loss in paper mode) and the SAT loss per offset j."""
     targets = layout.target_positions.to(ids.device)  # (M,) standard position p+1+j for each SAT
     slot = layout.slot.to(ids.device)
@@ -188,7 +191,8 @@ def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor, layout
     loss = (per_sat * weights).sum() / (weights.sum() * ids.shape[0])
     if lm_loss is not None:
         loss = loss + lm_loss
-    by_offset = [float(per_sat.detach()[:, slot == j].mean()) if bool((slot == j).any()) else math.nan for j in range(config.num_sats)]
+    by_offset = [float(per_sat.detach()[:, slot == j].mean()) if bool((slot == j).any()) else math.nan
+                 for j in range(config.num_sats)]
     return loss, by_offset
 
 
@@ -215,9 +219,11 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
     """The SatModel to train and its trainable parameters, as optimizer groups with an "lr_scale"."""
     init_id = tokenizer.convert_tokens_to_ids(config.sat_token) if config.sat_token in tokenizer.get_vocab() else None
     if config.mode == "adapter":
-        adapter_config = AdapterConfig(base_model=config.model, hidden_size=model.get_input_embeddings().weight.shape[1],
-                                       num_layers=model.config.num_hidden_layers, num_sats=config.num_sats, rank=config.rank,
-                                       alpha=config.alpha, target_modules=list(config.target_modules), layers=config.layers,
+        adapter_config = AdapterConfig(base_model=config.model,
+                                       hidden_size=model.get_input_embeddings().weight.shape[1],
+                                       num_layers=model.config.num_hidden_layers, num_sats=config.num_sats,
+                                       rank=config.rank, alpha=config.alpha,
+                                       target_modules=list(config.target_modules), layers=config.layers,
                                        inject_layer=config.inject_layer)
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
@@ -261,7 +267,8 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
     groups = [dict(group, lr=config.lr * group["lr_scale"]) for group in params]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     params = [p for group in groups for p in group["params"]]
-    schedule = lambda step: min(1.0, (step + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))  # noqa: E731
+    schedule = lambda step: (min(1.0, (step + 1) / config.warmup)  # noqa: E731
+                             * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     layouts = torch.Generator().manual_seed(config.seed + 1)
     record = {"config": asdict(config), "steps": [], "evals": []}
@@ -280,7 +287,8 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
 def _loop(config, out, sat_model, params, optimizer, scheduler, sampler, layouts, record, eval_windows, start_step,
           wall_before, progress) -> None:
     started = time.perf_counter()
-    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, desc="training SATs", disable=not progress)
+    bar = tqdm(range(start_step, config.steps), initial=start_step, total=config.steps, desc="training SATs",
+               disable=not progress)
     for step in bar:
         ids = sampler.batch(config.batch_size).to(sat_model.device)
         layout = sample_layout(config.seq_len, config.runs_per_seq, config.num_sats, layouts)
@@ -292,12 +300,14 @@ def _loop(config, out, sat_model, params, optimizer, scheduler, sampler, layouts
         scheduler.step()
         wall = wall_before + time.perf_counter() - started
         record["steps"].append({"step": step + 1, "loss": float(loss), "loss_by_offset": by_offset,
-                                "lr": scheduler.get_last_lr()[0], "tokens_seen": (step + 1) * config.batch_size * config.seq_len,
+                                "lr": scheduler.get_last_lr()[0],
+                                "tokens_seen": (step + 1) * config.batch_size * config.seq_len,
                                 "sats_seen": (step + 1) * config.batch_size * layout.num_sats, "wall_seconds": wall})
         bar.set_postfix(loss=f"{float(loss):.3f}", d1=f"{by_offset[0]:.2f}")
         last = step + 1 == config.steps
         if (step + 1) % config.eval_every == 0 or last:
-            acceptance = {name: draft_acceptance(sat_model, w.to(sat_model.device), config.num_sats) for name, w in eval_windows.items()}
+            acceptance = {name: draft_acceptance(sat_model, w.to(sat_model.device), config.num_sats)
+                          for name, w in eval_windows.items()}
             record["evals"].append({"step": step + 1, "acceptance_by_position": acceptance, "wall_seconds": wall})
             bar.write(f"step {step + 1}: held-out acceptance by position " +
                       "; ".join(f"{k}: " + " ".join(f"{a:.2f}" for a in v) for k, v in acceptance.items()))
@@ -359,8 +369,9 @@ def _eval_windows(held_out: Corpus, n: int, separator: int, max_windows: int = 1
 
 
 def _checkpoint(out: Path, sat_model, optimizer, scheduler, sampler, layouts, record, step: int, wall: float) -> None:
-    state = {"step": step, "wall_seconds": wall, "trainable": _trainable_state(sat_model), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "sampler": sampler.state(), "layouts": layouts.get_state(), "record": record}
+    state = {"step": step, "wall_seconds": wall, "trainable": _trainable_state(sat_model),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "sampler": sampler.state(),
+             "layouts": layouts.get_state(), "record": record}
     tmp = out / "checkpoint.pt.tmp"
     torch.save(state, tmp)
     tmp.replace(out / "checkpoint.pt")  # a crash mid-save leaves the previous checkpoint whole

@@ -199,5 +199,6 @@ def bench_page(folder: Path = BENCH_DIR, suites: dict[str, tuple[str, str]] = SU
              "different speed-ups. The **Race** tab measures your own run, on the machine serving this page.")
     if not found:
         return BenchPage(intro, None, [], '<div class="check info">No benchmark results yet. They appear here once the '
-                                          "project's benchmark has written <code>assets/bench/summary.json</code>.</div>")
+                                          "project's benchmark has written <code>assets/bench/summary.json</code>."
+                                          "</div>")
     return BenchPage(intro, speedup_figure(found), found)

@@ -166,7 +166,8 @@ def _result(v: _View) -> str:
     kind = ("copy" if a == 1 else "copies") if v.copied else ("draft" if a == 1 else "drafts")
     rule = ("Greedy: a draft is accepted when it equals the model's choice at its position and every earlier draft "
             "was accepted." if record.greedy else
-            "Sampling: draft d<sub>j</sub> is accepted with probability min(1, p/q); at the first rejection the token is "
+            "Sampling: draft d<sub>j</sub> is accepted with probability min(1, p/q); "
+            "at the first rejection the token is "
             "drawn from the normalised max(0, p − q), so the output follows the model's own distribution exactly."
             + (" A copy has q = 1 on itself." if v.copied else ""))
     return (f'<div class="ex-result"><span class="ex-label">Emitted</span> {emitted} '

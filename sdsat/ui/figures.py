@@ -91,7 +91,8 @@ def pass_figure(vanilla: Sequence[StepRecord], sdsat: Sequence[StepRecord]) -> g
     if tail:  # keep the prefill pass from squashing the rest
         top = sorted(tail)[int(0.98 * (len(tail) - 1))] * 1.6
         fig.update_yaxes(range=[0, top])
-    return _layout(fig, "Time per forward pass (pass 1 reads the prompt; may be off the chart)", "pass number within its kind", "ms")
+    return _layout(fig, "Time per forward pass (pass 1 reads the prompt; may be off the chart)",
+                   "pass number within its kind", "ms")
 
 
 def empty_figure(message: str) -> go.Figure:

@@ -232,8 +232,9 @@ class Page:
 
     # -- API -------------------------------------------------------------------------------------
     @visitor_errors
-    async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy", k: int = DecodeConfig.k,
-                       max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+    async def generate(self, prompt: str, model: str = "", chat: bool = False, mode: str = "greedy",
+                       k: int = DecodeConfig.k, max_new_tokens: int = 64, temperature: float = 1.0,
+                       top_p: float = 1.0, top_k: int = 0,
                        seed: int = 0, lookup_tokens: int = 0, tree_candidates: int = 0) -> dict:
         """Race vanilla and SDSAT on one prompt; return both texts, token ids and metrics as JSON.
 
@@ -250,8 +251,8 @@ class Page:
             # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
             # iteration instead of running on for nobody.
             return await anyio.to_thread.run_sync(self.generate_on_gpu, prompt, model, chat, mode, k, max_new_tokens,
-                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates, *stop,
-                                                  abandon_on_cancel=True)
+                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates,
+                                                  *stop, abandon_on_cancel=True)
         finally:
             cancel.set()
 

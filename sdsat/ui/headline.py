@@ -15,7 +15,8 @@ def sat_badge(trained: bool) -> str:
     if trained:
         return '<span class="badge ok">SAT adapter: trained</span>'
     return ('<span class="badge warn" title="Until the trained adapter is installed, drafts are rarely accepted, so '
-            'SDSAT cannot beat vanilla by much. Outputs are still identical.">SAT adapter: untrained (low acceptance expected)</span>')
+            'SDSAT cannot beat vanilla by much. Outputs are still identical.">'
+            'SAT adapter: untrained (low acceptance expected)</span>')
 
 
 def check_html(record: RaceRecord) -> str:
@@ -66,13 +67,16 @@ def headline_html(record: RaceRecord) -> str:
         _card(f"{speed:.2f}×", "speed-up", "SDSAT ÷ vanilla tokens/s", "accent" if speed >= 1 else ""),
         _card(f"{s.mean_tokens_per_iteration:.2f}", "tokens / iteration",
               f"bonus counted; {s.mean_accepted_drafts:.2f} of k = {s.k} drafts accepted"),
-        _card(f"{1 / s.tokens_per_forward_pass:.2f}", "passes / token", f"vanilla 1.00 · {v.forward_passes} → {s.forward_passes} passes"),
+        _card(f"{1 / s.tokens_per_forward_pass:.2f}", "passes / token",
+              f"vanilla 1.00 · {v.forward_passes} → {s.forward_passes} passes"),
     ])
     limited = ('<div class="check info">A decoder reached the per-request time limit and was stopped early.</div>'
                if record.time_limited else "")
     meta = (f'<div class="meta">{sat_badge(record.sat_trained)} <span>{esc(record.model)}</span> · '
-            f'<span>{esc(record.hardware)}</span> · <span>decoded one after the other (vanilla, then SDSAT), never at the same time</span></div>')
-    return f'<div class="headline"><div class="cards">{cards}</div>{check_html(record)}{why_html(record)}{limited}{meta}</div>'
+            f'<span>{esc(record.hardware)}</span> · '
+            '<span>decoded one after the other (vanilla, then SDSAT), never at the same time</span></div>')
+    return (f'<div class="headline"><div class="cards">{cards}</div>'
+            f'{check_html(record)}{why_html(record)}{limited}{meta}</div>')
 
 
 def progress_html(snap: RaceSnapshot | None, message: str = "") -> str:
@@ -81,7 +85,8 @@ def progress_html(snap: RaceSnapshot | None, message: str = "") -> str:
         return f'<div class="headline running"><div class="status">{esc(message)}</div></div>'
     done = {m: sum(len(st.tokens) for st in snap.steps[m]) for m in snap.steps}
     if snap.phase == "vanilla":
-        text = f"Running vanilla decoding… {done['vanilla']} tokens. SDSAT runs next, on its own, so the two never share the CPU."
+        text = (f"Running vanilla decoding… {done['vanilla']} tokens. "
+                "SDSAT runs next, on its own, so the two never share the CPU.")
     else:
         text = f"Vanilla finished ({done['vanilla']} tokens). Running SDSAT… {done['sdsat']} tokens."
     return f'<div class="headline running"><div class="status"><span class="spinner"></span>{esc(text)}</div></div>'

@@ -107,7 +107,8 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
         deadline = time.monotonic() + time_limit_s / 2
         events: queue.Queue = queue.Queue()
         should_stop = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
-        worker = threading.Thread(target=_drain, args=(engine, prompt_ids, request.decode_config(method), should_stop, events),
+        worker = threading.Thread(target=_drain,
+                                  args=(engine, prompt_ids, request.decode_config(method), should_stop, events),
                                   name=f"sdsat-{method}", daemon=True)
         decoder = PieceDecoder(engine.tokenizer, prompt_ids)
         worker.start()

@@ -54,7 +54,8 @@ class EngineCache:
                 `load_retry_s` seconds).
         """
         if not isinstance(name, str) or name not in self._locks:  # API callers may send any JSON value
-            raise SettingError(f"model must be one of: {', '.join(self.limits.models)} (set by the operator); got {name!r}")
+            raise SettingError(f"model must be one of: {', '.join(self.limits.models)} (set by the operator); "
+                               f"got {name!r}")
         if name in self._engines:
             return self._engines[name]
         self._raise_recent_failure(name)

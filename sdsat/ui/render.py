@@ -23,7 +23,8 @@ _CONTROL = {c: chr(0x2400 + c) for c in range(32) if chr(c) not in "\n\t"} | {0x
 # C1 controls (U+0080..U+009F; U+0085 breaks lines in some renderers), the bidirectional controls that can
 # make text read differently from its code points (a "Trojan Source" right-to-left override), and the
 # Unicode line separators have no picture: they are shown as their code point, e.g. ⟨U+202E⟩.
-_INVISIBLE = [*range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x2028, 0x2029]
+_INVISIBLE = [*range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A),
+              0x2028, 0x2029]
 _CONTROL |= {c: f"\u27e8U+{c:04X}\u27e9" for c in _INVISIBLE}
 
 
@@ -141,8 +142,10 @@ def sdsat_html(steps: Sequence[StepRecord], pieces: Sequence[str], vocab: dict[i
         if show_rejected and (not step.sources or step.sources[-1] != "bonus"):
             spans.extend(_rejected(step, vocab))  # output was cut before the bonus
         at += n
-        groups.append(f'<span class="iter" data-t="{step.elapsed:.3f}" title="iteration {step.index + 1}: {n} tokens for '
-                      f'{step.forward_passes} forward pass{"es" if step.forward_passes != 1 else ""}">{"".join(spans)}</span>')
+        groups.append(f'<span class="iter" data-t="{step.elapsed:.3f}" '
+                      f'title="iteration {step.index + 1}: {n} tokens for '
+                      f'{step.forward_passes} forward pass{"es" if step.forward_passes != 1 else ""}">'
+                      f'{"".join(spans)}</span>')
     return _pane("".join(groups), "sdsat")
 
 
@@ -168,7 +171,8 @@ def _draft_origin(step: StepRecord, i: int) -> str:
     if step.draft_source == "lookup":
         return "copied by prompt lookup"
     rank = step.draft_ranks[i] if i < len(step.draft_ranks) else 0
-    return f"q = {_p(step.draft_probs[i])} from the SAT" + (f" (its {choice_name(rank)}, from the draft tree)" if rank else "")
+    return (f"q = {_p(step.draft_probs[i])} from the SAT"
+            + (f" (its {choice_name(rank)}, from the draft tree)" if rank else ""))
 
 
 def choice_name(rank: int) -> str:
@@ -190,6 +194,8 @@ def legend_html(show_rejected: bool = True) -> str:
              ("src-copy", "copy", "accepted prompt-lookup copy"), ("src-bonus", "bonus", "step 2 bonus token")]
     if show_rejected:
         items.append(("src-rejected", "draft", "rejected draft (when shown)"))
-    chips = "".join(f'<span class="legend-item"><span class="tok {c}">{esc(s)}</span> {esc(t)}</span>' for c, s, t in items)
-    return (f'<div class="legend">{chips}<span class="legend-item"><span class="iter-mark"></span> iteration boundary</span>'
+    chips = "".join(f'<span class="legend-item"><span class="tok {c}">{esc(s)}</span> {esc(t)}</span>'
+                    for c, s, t in items)
+    return (f'<div class="legend">{chips}'
+            '<span class="legend-item"><span class="iter-mark"></span> iteration boundary</span>'
             '<span class="legend-item muted">hover a token for its step, draft position and probability</span></div>')

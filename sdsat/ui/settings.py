@@ -32,7 +32,8 @@ class SettingError(ValueError):
 class Limits:
     """Operator limits; each field has an environment variable (see `from_env`)."""
 
-    models: list[str] = field(default_factory=lambda: [DEFAULT_MODEL])  # SDSAT_MODELS: comma-separated, the first is the default
+    # SDSAT_MODELS: comma-separated, the first is the default
+    models: list[str] = field(default_factory=lambda: [DEFAULT_MODEL])
     max_new_tokens: int = 128  # SDSAT_MAX_NEW_TOKENS: per decoder and request
     max_prompt_tokens: int = 512  # SDSAT_MAX_PROMPT_TOKENS
     max_prompt_chars: int = 8000  # SDSAT_MAX_PROMPT_CHARS: checked before tokenizing
@@ -120,7 +121,8 @@ class RunRequest:
 
 
 def _integer(name: str, value, low: int, high: int) -> int:
-    """`value` as an int in [low, high]; floats and numeric strings must be whole numbers (API callers send anything)."""
+    """`value` as an int in [low, high]; floats and numeric strings must be whole numbers \
+(API callers send anything)."""
     wrong = SettingError(f"{name} must be a whole number between {low} and {high}, got {_shown(value)}")
     if isinstance(value, str):
         try:
@@ -166,7 +168,8 @@ def _shown(value, limit: int = 60) -> str:
     """A visitor's value for an error message: its repr, cut short (a 1 MB list must not come back)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
         # counted from its bits: str() of an int beyond 4300 digits raises in Python 3.11
-        return f"a {len(str(abs(value)))}-digit number" if value.bit_length() < 14000 else "a number of over 4000 digits"
+        return (f"a {len(str(abs(value)))}-digit number" if value.bit_length() < 14000
+                else "a number of over 4000 digits")
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "…"
 
@@ -191,7 +194,8 @@ def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mod
     (None: not known yet, checked again once it is loaded).
     """
     if not isinstance(model, str) or model not in limits.models:
-        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); got {_shown(model)}")
+        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); "
+                           f"got {_shown(model)}")
     if not isinstance(prompt, str):
         raise SettingError(f"prompt must be text, got {_shown(prompt)}")
     if prompt == "":
@@ -201,7 +205,8 @@ def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mod
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
-        raise SettingError(f"prompt must be valid Unicode text; it has an unpaired surrogate at character {err.start}") from None
+        raise SettingError(f"prompt must be valid Unicode text; "
+                           f"it has an unpaired surrogate at character {err.start}") from None
     chat = _flag("chat", chat)
     if not isinstance(mode, str) or mode not in MODES:
         raise SettingError(f"mode (decoding) must be one of {', '.join(MODES)}, got {_shown(mode)}")
@@ -209,8 +214,10 @@ def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mod
     max_new_tokens = _integer("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
     lookup_tokens = _integer("prompt lookup tokens", lookup_tokens, 0, MAX_LOOKUP_TOKENS)
     tree_candidates = _integer("draft tree candidates", tree_candidates, 0, MAX_TREE_CANDIDATES)
-    sampled = SamplingConfig(do_sample=True, temperature=_real("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE),
-                             top_p=_real("top-p", top_p, 0.0, 1.0, low_open=True), top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
+    sampled = SamplingConfig(do_sample=True,
+                             temperature=_real("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE),
+                             top_p=_real("top-p", top_p, 0.0, 1.0, low_open=True),
+                             top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
                              seed=_integer("seed", seed, 0, MAX_SEED))
     sampling = SamplingConfig()
     if mode == "sampling":

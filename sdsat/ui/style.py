@@ -35,11 +35,13 @@ CSS = """
 .src-draft { background: #d1fae5; box-shadow: inset 0 -2px 0 #10b981; }
 .src-bonus { background: #fef3c7; box-shadow: inset 0 -2px 0 #f59e0b; }
 .src-copy { background: #cffafe; box-shadow: inset 0 -2px 0 #0891b2; }
-.src-rejected { margin: 0 1px; background: #fee2e2; color: #b91c1c; text-decoration: line-through; text-decoration-thickness: 2px; opacity: .85; }
+.src-rejected { margin: 0 1px; background: #fee2e2; color: #b91c1c; text-decoration: line-through;
+  text-decoration-thickness: 2px; opacity: .85; }
 .iter { border-left: 2px solid #a78bfa; margin-left: 1px; padding-left: 1px; }
 .iter-mark { display: inline-block; width: 2px; height: 14px; background: #a78bfa; vertical-align: middle; }
 
-.legend { display: flex; flex-wrap: wrap; gap: 6px 16px; align-items: center; font-size: 13px; color: var(--body-text-color); margin: 6px 0 2px; }
+.legend { display: flex; flex-wrap: wrap; gap: 6px 16px; align-items: center; font-size: 13px;
+  color: var(--body-text-color); margin: 6px 0 2px; }
 .legend .tok { font-family: 'JetBrains Mono', ui-monospace, monospace; padding: 1px 5px; }
 .legend-item { display: inline-flex; align-items: center; gap: 6px; }
 .muted { color: #64748b; }
@@ -62,37 +64,44 @@ CSS = """
 .badge { border-radius: 999px; padding: 2px 10px; font-weight: 600; font-size: 12px; }
 .badge.ok { background: #d1fae5; color: #065f46; }
 .badge.warn { background: #fef3c7; color: #92400e; }
-.headline.running .status { background: #f5f3ff; border: 1px solid #ddd6fe; color: #4c1d95; border-radius: 10px; padding: 10px 14px; font-size: 14px; }
-.spinner { display: inline-block; width: 12px; height: 12px; margin-right: 8px; border: 2px solid #c4b5fd; border-top-color: #6d28d9;
-  border-radius: 50%; animation: sdsat-spin .8s linear infinite; vertical-align: -1px; }
+.headline.running .status { background: #f5f3ff; border: 1px solid #ddd6fe; color: #4c1d95; border-radius: 10px;
+  padding: 10px 14px; font-size: 14px; }
+.spinner { display: inline-block; width: 12px; height: 12px; margin-right: 8px; border: 2px solid #c4b5fd;
+  border-top-color: #6d28d9; border-radius: 50%; animation: sdsat-spin .8s linear infinite; vertical-align: -1px; }
 @keyframes sdsat-spin { to { transform: rotate(360deg); } }
 
 /* step explorer */
-.explorer { color: #0f172a; background: #ffffff; border: 1px solid #e2e8f0; border-radius: 12px; padding: 12px 14px; font-size: 13.5px; }
+.explorer { color: #0f172a; background: #ffffff; border: 1px solid #e2e8f0; border-radius: 12px; padding: 12px 14px;
+  font-size: 13.5px; }
 .explorer.empty { color: #64748b; font-style: italic; }
 .ex-head { margin-bottom: 8px; }
 .ex-context, .ex-result { margin: 8px 0; display: flex; flex-wrap: wrap; gap: 4px; align-items: center; }
 .ex-label { font-weight: 600; color: #334155; margin-right: 6px; }
 .ex-scroll { overflow-x: auto; }
-.ex-table { border-collapse: separate !important; border-spacing: 4px 4px; border: none !important; margin: 0 !important; }
-.ex-table tr, .ex-table td, .ex-table th { border: none !important; background: transparent !important; padding: 3px 4px !important; }
+.ex-table { border-collapse: separate !important; border-spacing: 4px 4px; border: none !important;
+  margin: 0 !important; }
+.ex-table tr, .ex-table td, .ex-table th { border: none !important; background: transparent !important;
+  padding: 3px 4px !important; }
 .ex-table th { font-size: 12px; color: #64748b; font-weight: 600; text-align: center; }
 .ex-table th.row { text-align: right; padding-right: 8px; white-space: nowrap; color: #334155; }
 .ex-table td { text-align: center; vertical-align: top; min-width: 62px; }
-.chip { display: inline-block; font-family: 'JetBrains Mono', ui-monospace, monospace; font-size: 12.5px; padding: 2px 6px; border-radius: 6px;
-  background: #f1f5f9; border: 1px solid #e2e8f0; white-space: pre; max-width: 160px; overflow: hidden; text-overflow: ellipsis; }
+.chip { display: inline-block; font-family: 'JetBrains Mono', ui-monospace, monospace; font-size: 12.5px;
+  padding: 2px 6px; border-radius: 6px; background: #f1f5f9; border: 1px solid #e2e8f0; white-space: pre;
+  max-width: 160px; overflow: hidden; text-overflow: ellipsis; }
 .chip.pending { background: #ede9fe; border-color: #a78bfa; }
 .chip.sat { background: #1e1b4b; color: #e0e7ff; border-color: #1e1b4b; }
 .chip.draft { background: #ecfdf5; border-color: #a7f3d0; }
 .chip.pred { background: #fff7ed; border-color: #fed7aa; }
 .chip.src-verified, .chip.src-draft, .chip.src-copy, .chip.src-bonus { box-shadow: none; }
-.chip.src-verified { border-color: #93c5fd; } .chip.src-draft { border-color: #6ee7b7; } .chip.src-bonus { border-color: #fcd34d; }
+.chip.src-verified { border-color: #93c5fd; } .chip.src-draft { border-color: #6ee7b7; }
+.chip.src-bonus { border-color: #fcd34d; }
 .chip.src-copy, .chip.copy { border-color: #67e8f9; } .chip.copy { background: #ecfeff; }
 .chip.tree-no { background: #fef2f2; border-color: #fecaca; text-decoration: line-through; }
 .chip.tree-skip { opacity: .45; }
 .tree-node { white-space: nowrap; margin-bottom: 2px; }
 .sub { font-size: 10.5px; color: #64748b; margin-top: 2px; }
-.verdict { display: inline-block; font-size: 12px; font-weight: 600; border-radius: 6px; padding: 2px 6px; margin-bottom: 3px; }
+.verdict { display: inline-block; font-size: 12px; font-weight: 600; border-radius: 6px; padding: 2px 6px;
+  margin-bottom: 3px; }
 .verdict.ok { color: #065f46; background: #d1fae5; }
 .verdict.bad { color: #991b1b; background: #fee2e2; }
 .verdict.skip { color: #64748b; background: #f1f5f9; font-weight: 400; }
@@ -115,7 +124,8 @@ CSS = """
 
 /* chat: a reply is a race pane without its frame, with a badge under it */
 .chat-user { white-space: pre-wrap; word-break: break-word; }
-.chat-turn .sdsat-out { min-height: 0; max-height: none; border: none; padding: 0; background: transparent; overflow: visible; }
+.chat-turn .sdsat-out { min-height: 0; max-height: none; border: none; padding: 0; background: transparent;
+  overflow: visible; }
 .turn-badge { display: flex; flex-wrap: wrap; gap: 4px 6px; align-items: center; margin-top: 8px; font-size: 12px;
   font-family: Inter, system-ui, sans-serif; white-space: normal; }
 .turn-badge .badge { background: #f1f5f9; color: #334155; font-weight: 600; }
