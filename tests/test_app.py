@@ -38,7 +38,8 @@ def page(default_engine):
     (dict(mode="beam"), "decoding"), (dict(model="gpt2"), "model must be one of"),
     (dict(model="/etc/passwd"), "model must be one of"), (dict(prompt=""), "prompt is empty"),
     (dict(prompt="x" * 9000), "at most 8000 characters"),
-    (dict(mode="sampling", temperature=0), "temperature"), (dict(mode="sampling", temperature=float("nan")), "temperature"),
+    (dict(mode="sampling", temperature=0), "temperature"),
+    (dict(mode="sampling", temperature=float("nan")), "temperature"),
     (dict(mode="sampling", top_p=1.5), "top-p"), (dict(mode="sampling", top_p=0), "top-p"),
     (dict(mode="sampling", top_k=-1), "top-k"), (dict(mode="sampling", seed=-3), "seed"),
     (dict(mode="sampling", seed=None), "seed"),
@@ -57,8 +58,9 @@ def page(default_engine):
     (dict(chat={"x": 0}), "chat must be true or false, got {'x': 0}"), (dict(chat=1), "chat must be true or false"),
     (dict(chat=None), "chat must be true or false"),
     (dict(k=10**400), "k (adaptive tokens per step) must be between 1 and 8, got a 401-digit number"),
-    (dict(k=-(10**400)), "k (adaptive tokens"), (dict(k=1e308), "k (adaptive tokens"), (dict(k=[4]), "k (adaptive tokens"),
-    (dict(k=True), "k (adaptive tokens"), (dict(seed=float("inf")), "seed"), (dict(max_new_tokens="NaN"), "max new tokens"),
+    (dict(k=-(10**400)), "k (adaptive tokens"), (dict(k=1e308), "k (adaptive tokens"),
+    (dict(k=[4]), "k (adaptive tokens"), (dict(k=True), "k (adaptive tokens"), (dict(seed=float("inf")), "seed"),
+    (dict(max_new_tokens="NaN"), "max new tokens"),
     (dict(prompt=["hi"]), "prompt must be text, got ['hi']"), (dict(prompt=None), "prompt must be text"),
     (dict(prompt="a\ud800"), "prompt must be valid Unicode text"),
     (dict(mode=["greedy"]), "mode (decoding) must be one of"), (dict(model=["x"]), "model must be one of"),
@@ -112,7 +114,8 @@ def test_cache_refuses_models_off_the_list():
 
 
 # -- escaping -----------------------------------------------------------------------------------------
-HOSTILE = ['<script>alert(1)</script>', ' a < b && c > d', '"quoted" \'single\'', '{{7*7}}', '${1+1}', '`tick`', "\x00\x1b"]
+HOSTILE = ['<script>alert(1)</script>', ' a < b && c > d', '"quoted" \'single\'', '{{7*7}}', '${1+1}', '`tick`',
+           "\x00\x1b"]
 
 
 def _fake_steps() -> tuple[list[StepRecord], list[str]]:
@@ -138,7 +141,8 @@ def test_esc_shows_c1_and_bidirectional_controls_as_code_points():
     # A right-to-left override would make the page read differently from the text; U+0085 breaks lines.
     hostile = "a\u202eevil\u202c b\x85c\x9b d\u2066e\u2069 f\u200fg\u061ch\u2028"
     out = esc(hostile)
-    assert not any(0x80 <= ord(c) <= 0x9F or c in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028\u2029"
+    assert not any(0x80 <= ord(c) <= 0x9F
+                   or c in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c\u2028\u2029"
                    for c in out), ascii(out)
     assert "\u27e8U+202E\u27e9" in out and "\u27e8U+0085\u27e9" in out and "evil" in out
     steps, _ = _fake_steps()
@@ -246,7 +250,8 @@ def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
 
 def test_markup_prompt_is_text_everywhere(page):
     prompt = '<script>alert("x")</script> & <b>bold</b>\n<html>\n<head>\n  <title>'
-    final = dict(zip(RACE_OUTPUTS, list(page.run(**(GOOD | dict(prompt=prompt, max_new_tokens=8)), show_rejected=True))[-1]))
+    final = dict(zip(RACE_OUTPUTS,
+                     list(page.run(**(GOOD | dict(prompt=prompt, max_new_tokens=8)), show_rejected=True))[-1]))
     for name in ("headline", "vanilla", "sdsat", "explorer"):
         parsed = parse_html(final[name])
         assert parsed.tags <= OUR_TAGS, (name, parsed.tags - OUR_TAGS)
@@ -261,7 +266,8 @@ def test_sampling_race_runs_and_says_why_texts_differ(page):
 
 
 def test_bad_input_gives_gr_error_naming_the_setting(page, default_engine):
-    with pytest.raises(gr.Error, match=f"k \\(adaptive tokens per step\\) must be between 1 and {default_engine.max_k}"):
+    with pytest.raises(gr.Error,
+                       match=f"k \\(adaptive tokens per step\\) must be between 1 and {default_engine.max_k}"):
         list(page.run(**(GOOD | dict(k=50)), show_rejected=False))
     with pytest.raises(gr.Error, match="max new tokens must be between 1 and 24"):
         list(page.run(**(GOOD | dict(max_new_tokens=25)), show_rejected=False))
@@ -343,9 +349,11 @@ def test_errors_never_show_server_paths(page, default_engine, tmp_path, monkeypa
     broken = Page(Limits(models=[missing]))
     with pytest.raises(gr.Error) as raised:
         list(broken.run(**(GOOD | dict(model=missing)), show_rejected=False))
-    assert "could not be loaded" in raised.value.message and str(tmp_path) not in raised.value.message.replace(missing, "")
+    assert ("could not be loaded" in raised.value.message
+            and str(tmp_path) not in raised.value.message.replace(missing, ""))
     # A ValueError from deeper down is not an invalid setting: the visitor gets a message, the log the details.
-    monkeypatch.setattr(default_engine, "encode", lambda *a, **k: (_ for _ in ()).throw(ValueError("/srv/secret/x.json")))
+    monkeypatch.setattr(default_engine, "encode",
+                        lambda *a, **k: (_ for _ in ()).throw(ValueError("/srv/secret/x.json")))
     with pytest.raises(gr.Error) as raised:
         list(page.run(**GOOD, show_rejected=False))
     assert "/srv/secret" not in raised.value.message and raised.value.title == "Server error"
@@ -401,11 +409,13 @@ def test_benchmark_tab_charts_every_suite_with_its_machine(tmp_path):
     (tmp_path / "summary.json").write_text(json.dumps({"machine": "AMD EPYC, 2 cores, x", "rows": [row]}))
     (tmp_path / "chat").mkdir()
     (tmp_path / "chat" / "summary.json").write_text(json.dumps(
-        {"machine": "Intel Xeon, 2 cores", "rows": [row | {"speed-up vs vanilla (median)": 0.9},
-                                                    {"method": "prompt_lookup k=10", "speed-up vs vanilla (median)": 1.1}]}))
+        {"machine": "Intel Xeon, 2 cores",
+         "rows": [row | {"speed-up vs vanilla (median)": 0.9},
+                  {"method": "prompt_lookup k=10", "speed-up vs vanilla (median)": 1.1}]}))
     view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
     assert [s.key for s in view.suites] == ["humaneval-16", "chat-6"]  # the order of SUITES
-    assert "AMD EPYC, 2 cores and Intel Xeon, 2 cores" in view.intro and "Race** tab measures your own run" in view.intro
+    assert ("AMD EPYC, 2 cores and Intel Xeon, 2 cores" in view.intro
+            and "Race** tab measures your own run" in view.intro)
     bars = {trace.name: (list(trace.y), list(trace.x)) for trace in view.figure.data}  # horizontal: y names the suite
     fastest = bars[benchmark.CHART_METHODS["sdsat_greedy k=3 +lookup+tree"]]
     assert fastest[1] == [1.5, 0.9] and "AMD EPYC, 2 cores" in fastest[0][0] and "Intel Xeon, 2 cores" in fastest[0][1]

@@ -30,8 +30,9 @@ CHAT_PROMPTS = ROOT / "assets" / "prompts" / "chat.jsonl"
 
 # The performance check CI can afford: SDSAT greedy on the shipped adapter must emit at least this
 # many tokens per forward pass (vanilla: 1.0; untrained SATs: 1.0). Set from the trained adapter's
-# measured figure with a safety margin.
-TOKENS_PER_FORWARD_PASS_FLOOR = 1.35  # measured 1.56 with the shipped adapter (k=4, two_step, HumanEval 0-7); vanilla and untrained SATs give 1.0
+# measured figure with a safety margin: measured 1.56 with the shipped adapter (k=4, two_step,
+# HumanEval 0-7); vanilla and untrained SATs give 1.0.
+TOKENS_PER_FORWARD_PASS_FLOOR = 1.35
 PERF_K = 4  # drafts per step in the performance check
 PERF_PROMPTS = "0-3"  # HumanEval problems, never trained on
 PERF_TOKENS = 48
@@ -178,7 +179,8 @@ def test_ctrl_c_keeps_completed_runs(tmp_path):
     out = tmp_path / "interrupted"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "sdsat.bench", "--limit", "50", "--max-new-tokens", "4",
-                             "--methods", "vanilla", "generate", "--warmup-tokens", "0", "--threads", "1", "--out-dir", str(out),
+                             "--methods", "vanilla", "generate", "--warmup-tokens", "0", "--threads", "1",
+                             "--out-dir", str(out),
                              "--quiet", "--no-figures"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             # a shell that starts jobs in the background ignores SIGINT for them; undo that
@@ -239,7 +241,8 @@ def test_plan_variants_rejects_bad_settings():
 
 def _run(prompt, method, k, tokens, tps, drafted=None, accepted=None):
     return {"prompt_index": prompt, "repeat": 0, "method": method, "k": k, "temperature": None, "token_ids": tokens,
-            "new_tokens": len(tokens), "tokens_per_second": tps, "seconds": len(tokens) / tps, "forward_passes": len(tokens),
+            "new_tokens": len(tokens), "tokens_per_second": tps, "seconds": len(tokens) / tps,
+            "forward_passes": len(tokens),
             "tokens_per_iteration": [1] * len(drafted) if drafted is not None else None,
             "drafted_per_iteration": drafted, "accepted_per_iteration": accepted}
 
@@ -273,7 +276,8 @@ def test_performance_floor_on_shipped_adapter(default_engine):
     k = min(PERF_K, default_engine.max_k)
     variants = [Variant("vanilla"), Variant("sdsat_greedy", k=k), Variant("sdsat_greedy", k=3),
                 Variant("sdsat_greedy", k=3, scheme="tree")]
-    runs = [run_to_dict(r) for r in iterate_runs(default_engine, variants, encode_prompts(default_engine, prompts), config)]
+    runs = [run_to_dict(r)
+            for r in iterate_runs(default_engine, variants, encode_prompts(default_engine, prompts), config)]
     summary = summarize(runs)
     assert summary["all_greedy_identical"], summary["greedy_mismatches"]
     rows = {(r["k"], r["scheme"]): r for r in summary["variants"] if r["method"] == "sdsat_greedy"}
@@ -310,7 +314,8 @@ def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypat
     # Two settings, interleaved: each gets its own table of sizes, and each was applied before its passes.
     applied = []
     both = pass_cost.measure_settings(types.SimpleNamespace(model=tiny_llama, sat_model=sat_model), [1, 2], context=10,
-                                      repeats=2, settings={"a": lambda: applied.append("a"), "b": lambda: applied.append("b")})
+                                      repeats=2,
+                                      settings={"a": lambda: applied.append("a"), "b": lambda: applied.append("b")})
     assert applied == ["a", "b"] * 3 and set(both) == {"a", "b"}
     assert all(set(both[n]["plain"]) == {1, 2} and set(both[n]["draft"]) == {1} for n in both)
     table = pass_cost.compare_report(both, 10)
@@ -347,7 +352,8 @@ def test_a_prompt_longer_than_the_context_is_skipped_with_one_line(tmp_path):
     lines = [line for line in err.splitlines() if "skipped" in line]
     assert lines == [lines[0]] and lines[0].startswith("skipped prompt line 1: 8301 tokens") and "8192" in lines[0]
     payload = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert [p["name"] for p in payload["prompts"]] == ["line 2"] and payload["meta"]["skipped_prompts"][0]["name"] == "line 1"
+    assert ([p["name"] for p in payload["prompts"]] == ["line 2"]
+            and payload["meta"]["skipped_prompts"][0]["name"] == "line 1")
     assert {r["prompt_index"] for r in payload["runs"]} == {0} and len(payload["runs"]) == 2
 
 
@@ -373,9 +379,11 @@ def test_ctrl_c_after_the_runs_keeps_them_without_a_traceback(tmp_path, monkeypa
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(*((runner, "score_pass_at_1", interrupt) if stage == "pass@1" else (figures, "write_figures", interrupt)))
+    monkeypatch.setattr(*((runner, "score_pass_at_1", interrupt) if stage == "pass@1"
+                          else (figures, "write_figures", interrupt)))
     code, err = small_bench(tmp_path)
-    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted: the 1 completed")
+    assert (code == 130 and "Traceback" not in err
+            and err.strip().splitlines()[-1].startswith("interrupted: the 1 completed"))
     assert len(json.loads((tmp_path / "out" / "results.json").read_text())["runs"]) == 1
 
 

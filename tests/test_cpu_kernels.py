@@ -23,7 +23,8 @@ def _plan_of(model: nn.Module, variant: str, max_rows: int = 8) -> KernelPlan:
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("variant", [v if not v.startswith("onednn") else pytest.param(v, marks=ONEDNN) for v in VARIANTS])
+@pytest.mark.parametrize("variant", [v if not v.startswith("onednn") else pytest.param(v, marks=ONEDNN)
+                                     for v in VARIANTS])
 def test_every_variant_computes_the_linear_product(variant):
     torch.manual_seed(0)
     layer = nn.Linear(24, 40, bias=True)
@@ -149,7 +150,8 @@ def test_a_plan_with_bad_entries_is_set_aside_and_tuned_again(tmp_path, monkeypa
     (key, entry), = json.loads(cache.read_text()).items()
     shape = next(iter(entry))
     bad = {"variant": entry | {shape: ["linear", "no_such_kernel"]}, "length": entry | {shape: ["linear"]},
-           "shape": {"1x1": ["linear", "linear"]} | entry, "type": entry | {shape: 7}, "name": entry | {"4x": ["linear"] * 2}}
+           "shape": {"1x1": ["linear", "linear"]} | entry, "type": entry | {shape: 7},
+           "name": entry | {"4x": ["linear"] * 2}}
     cache.write_text(json.dumps({key: bad[damage]}))
     monkeypatch.setattr(cpu_kernels, "_PLANS", {})
     with caplog.at_level(logging.WARNING, logger="sdsat.cpu_kernels"):

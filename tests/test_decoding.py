@@ -151,7 +151,8 @@ def check_records(result: GenerationResult, prompt: list[int], sdsat: bool, sche
             full = head + ["draft"] * step.accepted + ["bonus"]
             # Only the last iteration may be cut short (by EOS, the token budget or a stop string).
             assert step.sources == (full[:len(step.tokens)] if last else full)
-            assert step.tokens[len(head):len(head) + step.accepted] == step.drafts[:step.accepted][:len(step.tokens) - len(head)]
+            assert (step.tokens[len(head):len(head) + step.accepted]
+                    == step.drafts[:step.accepted][:len(step.tokens) - len(head)])
             if len(step.tokens) == len(full):
                 assert step.tokens[-1] == step.predictions[step.accepted]  # the bonus
             assert step.forward_passes == (2 if drafted else 1)
@@ -204,12 +205,18 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
 
 def test_lookup_copies_after_the_first_occurrence_of_the_longest_recurring_suffix():
     assert lookup_continuation([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], ngram=2, max_tokens=3) == [7, 1, 5]  # the first "5 6"
-    assert lookup_continuation([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]  # "2 3"; a lone "3" does not count
-    assert lookup_continuation([3, 5, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]  # "2 3" beats an earlier "3"
-    assert lookup_continuation([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [9, 3]  # only "3" recurs: the first
-    assert lookup_continuation([9, 4, 7, 9, 4, 7, 9, 4], ngram=2, max_tokens=3) == [7, 9, 4]  # "4 7 9 4" recurs: a full copy
-    assert lookup_continuation([2, 3, 8, 1, 2, 3, 7, 9, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]  # "1 2 3" beats an earlier "2 3"
-    assert lookup_continuation([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], ngram=2, max_tokens=1) == [6]  # 4 tokens recur (the longest tried)
+    # "2 3"; a lone "3" does not count
+    assert lookup_continuation([1, 2, 3, 9, 3, 4, 8, 2, 3], ngram=2, max_tokens=2) == [9, 3]
+    # "2 3" beats an earlier "3"
+    assert lookup_continuation([3, 5, 2, 3, 9, 3, 4, 8, 2, 3], ngram=1, max_tokens=2) == [9, 3]
+    # only "3" recurs: the first
+    assert lookup_continuation([1, 2, 3, 9, 3, 4, 8, 0, 3], ngram=1, max_tokens=2) == [9, 3]
+    # "4 7 9 4" recurs: a full copy
+    assert lookup_continuation([9, 4, 7, 9, 4, 7, 9, 4], ngram=2, max_tokens=3) == [7, 9, 4]
+    # "1 2 3" beats an earlier "2 3"
+    assert lookup_continuation([2, 3, 8, 1, 2, 3, 7, 9, 1, 2, 3], ngram=2, max_tokens=2) == [7, 9]
+    # 4 tokens recur (the longest tried)
+    assert lookup_continuation([5, 1, 2, 3, 4, 6, 0, 1, 2, 3, 4], ngram=2, max_tokens=1) == [6]
     assert lookup_continuation([4, 5, 6, 5], ngram=2, max_tokens=4) == []  # "6 5" never occurred ("5" alone did)
     assert lookup_continuation([7, 7, 7], ngram=2, max_tokens=4) == [7]  # the continuation stops at the end
     assert lookup_continuation([3], ngram=2, max_tokens=4) == []  # shorter than the n-gram
@@ -232,8 +239,10 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
                 # pass), or else after the draft pass's token (then verified in place of the SAT drafts);
                 # never more than the tokens still to emit, the bonus aside.
                 room = budget - len(emitted) - 1
-                before = lookup_continuation(prompt + emitted, ngram, min(lookup, room)) if room > 0 and step.index else []
-                after = lookup_continuation(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1)) if room > 1 else []
+                before = (lookup_continuation(prompt + emitted, ngram, min(lookup, room))
+                          if room > 0 and step.index else [])
+                after = (lookup_continuation(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1))
+                         if room > 1 else [])
                 assert step.forward_passes == (1 if before else 2)
                 if before or after:
                     assert (step.draft_source, step.drafts) == ("lookup", before or after)
@@ -355,7 +364,8 @@ def test_adapter_leaves_standard_tokens_bit_identical():
     assert torch.equal(with_sats[:, :plain.shape[1]], want_with_tail)
     # The SAT rows do differ from plain tokens: the adapter is really in play.
     with torch.inference_mode():
-        assert not torch.allclose(with_sats[:, plain.shape[1]:], base(input_ids=torch.cat([plain, tail], 1)).logits[:, plain.shape[1]:])
+        assert not torch.allclose(with_sats[:, plain.shape[1]:],
+                                  base(input_ids=torch.cat([plain, tail], 1)).logits[:, plain.shape[1]:])
     adapter.detach()
     with torch.inference_mode():
         assert torch.equal(base(input_ids=plain).logits, want)
@@ -367,11 +377,14 @@ def test_greedy_sdsat_with_a_draft_tree_equals_vanilla(sat_model: SatModel):
     for n, prompt in enumerate(random_prompts(seed=5, count=6)):
         budget = 14 + 3 * n
         reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
-        cases = [(k, extra, lookup, False) for k, extra, lookup in itertools.product((1, 2, 3, 5), (1, 2, MAX_TREE_CANDIDATES), (0, 4))]
+        cases = [(k, extra, lookup, False)
+                 for k, extra, lookup in itertools.product((1, 2, 3, 5), (1, 2, MAX_TREE_CANDIDATES), (0, 4))]
         for k, extra, lookup, adaptive in cases + [(5, 3, 0, True), (4, MAX_TREE_CANDIDATES, 4, True)]:
-            config = replace(greedy("sdsat", k, budget), tree_candidates=extra, lookup_tokens=lookup, adaptive_k=adaptive)
+            config = replace(greedy("sdsat", k, budget), tree_candidates=extra, lookup_tokens=lookup,
+                             adaptive_k=adaptive)
             result = run(decode(sat_model, TOKENIZER, prompt, config, []))
-            assert result.token_ids == reference, f"k={k} tree={extra} lookup={lookup} adaptive={adaptive} prompt={prompt}"
+            assert result.token_ids == reference, (f"k={k} tree={extra} lookup={lookup} adaptive={adaptive} "
+                                                   f"prompt={prompt}")
             check_records(result, prompt, sdsat=True, lookup=bool(lookup))
             for step in result.steps:
                 if step.draft_source == "lookup":
@@ -386,7 +399,8 @@ def test_greedy_sdsat_with_a_draft_tree_equals_vanilla(sat_model: SatModel):
                 for i, token in enumerate(step.drafts):
                     assert step.tree_tokens[step.tree_paths.index(step.draft_ranks[:i + 1])] == token
                 stats["runner-up accepted"] += any(step.draft_ranks[:step.accepted])
-                stats["runner-up accepted on a longer path"] += any(step.draft_ranks[:step.accepted]) and step.accepted > 1
+                stats["runner-up accepted on a longer path"] += (any(step.draft_ranks[:step.accepted])
+                                                                 and step.accepted > 1)
     assert stats["runner-up accepted"] > 10, stats  # the branches really were taken (and their rows moved)
     assert stats["runner-up accepted on a longer path"] > 0, stats
 
@@ -449,9 +463,11 @@ def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model
                      sampling=SamplingConfig(do_sample=True, temperature=0.8, seed=3))
     result = run(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
     assert all(s.candidates == s.k == len(s.drafts) == 3 and s.draft_ranks == [] for s in result.steps)  # the chain
-    for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1), "tree_candidates must be between 0 \\(off\\) and"),
+    for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1),
+                          "tree_candidates must be between 0 \\(off\\) and"),
                          (dict(tree_candidates=-1), "tree_candidates must be between"),
-                         (dict(tree_candidates=2, scheme="fused"), "tree_candidates works with the two_step scheme only")):
+                         (dict(tree_candidates=2, scheme="fused"),
+                          "tree_candidates works with the two_step scheme only")):
         with pytest.raises(ValueError, match=message):
             run(decode(sat_model, TOKENIZER, [4, 5, 6], replace(greedy("sdsat", 3, 16), **bad), []))
 

@@ -120,4 +120,5 @@ def test_the_default_model_offers_chat(default_engine):
     page = Page(Limits())
     page.cache.add(default_engine)
     k_slider, chat_box, chat_examples = page.model_controls(DEFAULT_MODEL)
-    assert chat_box["visible"] is True and chat_examples["visible"] is True and k_slider["maximum"] == default_engine.max_k
+    assert (chat_box["visible"] is True and chat_examples["visible"] is True
+            and k_slider["maximum"] == default_engine.max_k)

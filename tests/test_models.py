@@ -45,7 +45,8 @@ def test_greedy_sdsat_equals_vanilla_and_generate(default_engine, prompt: str, c
     ids = engine.encode(prompt, chat=chat)
     with torch.inference_mode():
         out = engine.model.generate(torch.tensor([ids], device=engine.sat_model.device), do_sample=False,
-                                    max_new_tokens=NEW_TOKENS, eos_token_id=engine.eos_ids, pad_token_id=engine.eos_ids[0],
+                                    max_new_tokens=NEW_TOKENS, eos_token_id=engine.eos_ids,
+                                    pad_token_id=engine.eos_ids[0],
                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     reference = out[0, len(ids):].tolist()
     vanilla = run(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))

@@ -41,14 +41,16 @@ def test_generate_api_greedy_is_identical_and_adds_up(server):
     client = Client(server, verbose=False)
     data = client.predict(**RACE_ARGS, api_name="/generate")
     assert data["identical"] is True
-    assert data["vanilla"]["text"] == data["sdsat"]["text"] and data["vanilla"]["token_ids"] == data["sdsat"]["token_ids"]
+    assert (data["vanilla"]["text"] == data["sdsat"]["text"]
+            and data["vanilla"]["token_ids"] == data["sdsat"]["token_ids"])
     s = data["sdsat"]
     assert s["new_tokens"] == len(s["token_ids"]) and s["forward_passes"] == 2 * s["iterations"]
     assert abs(s["tokens_per_second"] - s["new_tokens"] / s["seconds"]) < 1e-6
     assert data["sequential"] is True and data["settings"]["k"] == 4
     # With prompt lookup on a prompt that repeats itself: still identical, in fewer passes than 2 per iteration.
     pattern = "red, green, blue, red, green, blue, red, green, blue, red,"
-    data = client.predict(**(RACE_ARGS | dict(prompt=pattern, max_new_tokens=16, lookup_tokens=6)), api_name="/generate")
+    data = client.predict(**(RACE_ARGS | dict(prompt=pattern, max_new_tokens=16, lookup_tokens=6)),
+                          api_name="/generate")
     assert data["identical"] is True and data["settings"]["lookup_tokens"] == 6
     assert data["sdsat"]["forward_passes"] < 2 * data["sdsat"]["iterations"]
     # With a draft tree: still identical, and the settings say so.
@@ -174,7 +176,8 @@ def test_browser_race_with_a_draft_tree(server):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(server)
-            page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
+            page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n'
+                                                         '    """Return the n-th Fibonacci number."""\n')
             page.locator("#max-new input[type=number]").fill("40")
             page.locator("#tree input[type=number]").fill("2")
             page.locator("#tree input[type=number]").press("Enter")
@@ -272,7 +275,8 @@ def test_browser_chat_two_turns_coloured_regenerate_replaces_only_the_last(serve
                 assert turn.locator(".tok.src-verified").count() > 0
                 assert turn.locator(".tok.src-bonus, .tok.src-draft, .tok.src-copy").count() > 0
                 assert "iteration 1" in turn.locator(".tok").first.get_attribute("title")
-            assert "is_prime" in turns.nth(0).inner_text() and "identical check: not run yet" in turns.nth(1).inner_text()
+            assert ("is_prime" in turns.nth(0).inner_text()
+                    and "identical check: not run yet" in turns.nth(1).inner_text())
             first = turns.nth(0).inner_html()
             page.screenshot(path=str(SCREENS / "desktop_chat.png"))
 

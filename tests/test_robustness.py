@@ -90,7 +90,8 @@ def good(tiny: SatModel) -> list[int]:
     (dict(k=5), "k (number of adaptive tokens) must be between 1 and 4, got 5"),
     (dict(method="beam"), "method must be one of vanilla, sdsat; got 'beam'"),
     (dict(scheme="tree"), "scheme must be one of two_step, fused; got 'tree'"),
-    (dict(sampling=SamplingConfig(do_sample=True, temperature=0)), "temperature must be at least 0.01 when sampling, got 0"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=0)),
+     "temperature must be at least 0.01 when sampling, got 0"),
     (dict(sampling=SamplingConfig(do_sample=True, temperature=-1.0)), "temperature must be at least 0.01"),
     (dict(sampling=SamplingConfig(do_sample=True, temperature=float("nan"))), "temperature must be at least 0.01"),
     # Tiny temperatures overflow logits / T to inf, and the probabilities to NaN.
@@ -118,7 +119,8 @@ def test_empty_prompt_is_refused(tiny):
 
 
 def test_invalid_unicode_is_a_clear_error(page):
-    with pytest.raises(ValueError, match="prompt must be valid Unicode text; it has an unpaired surrogate at character 1"):
+    with pytest.raises(ValueError,
+                       match="prompt must be valid Unicode text; it has an unpaired surrogate at character 1"):
         encode_prompt(TOK, "a\ud800b")
     with pytest.raises(gr.Error, match="valid Unicode text"):  # what JSON's "\\ud800" becomes in an API call
         list(page.run(**(GOOD | dict(prompt="x\udfffy")), show_rejected=False))
@@ -157,7 +159,8 @@ def test_prompt_longer_than_the_default_models_context(default_engine):
 
 
 def test_page_refuses_a_prompt_beyond_the_context(default_engine):
-    limits = Limits(max_prompt_chars=10**6, max_prompt_tokens=10**5, max_new_tokens=16)  # an operator who allows long prompts
+    # an operator who allows long prompts
+    limits = Limits(max_prompt_chars=10**6, max_prompt_tokens=10**5, max_new_tokens=16)
     cache = EngineCache(limits)
     cache.add(default_engine)
     page = Page(limits, cache)
@@ -195,13 +198,15 @@ def test_adapter_missing_truncated_or_unreadable_is_a_clear_value_error(tmp_path
 def test_adapter_for_another_model_is_refused(tmp_path):
     small = make_tiny_llama(hidden_size=32)
     tiny_adapter(small).save(tmp_path / "small")
-    with pytest.raises(ValueError, match="SAT adapter is for a model with hidden size 32 .* this model has hidden size 48"):
+    with pytest.raises(ValueError,
+                       match="SAT adapter is for a model with hidden size 32 .* this model has hidden size 48"):
         SatModel(make_tiny_llama(hidden_size=48), SatSpec(kind="adapter", max_k=4), SatAdapter.load(tmp_path / "small"))
     # Same hidden size and depth, other MLP width: the low-rank weights do not fit its layers.
     wide = make_tiny_llama()
     wide.model.layers[0].mlp.down_proj = torch.nn.Linear(96, 32, bias=False)
     tiny_adapter(wide).save(tmp_path / "wide")
-    with pytest.raises(ValueError, match=r"SAT adapter weights for 0_mlp_down_proj have shapes \(96, 2\).*needs \(64, 2\)"):
+    with pytest.raises(ValueError,
+                       match=r"SAT adapter weights for 0_mlp_down_proj have shapes \(96, 2\).*needs \(64, 2\)"):
         SatModel(make_tiny_llama(), SatSpec(kind="adapter", max_k=4), SatAdapter.load(tmp_path / "wide"))
 
 
@@ -216,7 +221,8 @@ def test_pickle_weights_are_refused(tmp_path):
     model = make_tiny_llama()
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ModelLoadError, match="no .safetensors weights .*pickle weights such as pytorch_model.bin are refused"):
+    with pytest.raises(ModelLoadError,
+                       match="no .safetensors weights .*pickle weights such as pytorch_model.bin are refused"):
         load_model(LoadConfig(model=str(tmp_path)))
 
 
@@ -278,11 +284,13 @@ def test_odd_prompts_decode_and_special_text_stays_text(default_engine, name, ch
 def test_a_prompt_that_stops_at_once(default_engine):
     """Only when the caller asks for special tokens does the finished chat turn end the output at once."""
     ids = default_engine.encode(FINISHED_TURN, allow_special=True)
-    for config in (DecodeConfig(method="vanilla", max_new_tokens=8), DecodeConfig(method="sdsat", k=4, max_new_tokens=8)):
+    for config in (DecodeConfig(method="vanilla", max_new_tokens=8),
+                   DecodeConfig(method="sdsat", k=4, max_new_tokens=8)):
         result = run(default_engine.stream(ids, config))
         assert result.token_ids == default_engine.eos_ids[:1] and result.stop_reason == "eos" and result.text == ""
         assert len(result.steps) == 1
-    as_text = run(default_engine.stream(default_engine.encode(FINISHED_TURN), DecodeConfig(method="vanilla", max_new_tokens=1)))
+    as_text = run(default_engine.stream(default_engine.encode(FINISHED_TURN),
+                                        DecodeConfig(method="vanilla", max_new_tokens=1)))
     assert as_text.stop_reason == "max_new_tokens"
 
 
@@ -316,7 +324,8 @@ def test_odd_prompts_on_the_page(page, name):
 
 def test_a_run_that_stops_at_once_on_the_page(default_engine):
     # The engine stops on the token it would emit first, as a model does whose first token is EOS.
-    first = run(default_engine.stream(default_engine.encode(GOOD["prompt"]), DecodeConfig(method="vanilla", max_new_tokens=1)))
+    first = run(default_engine.stream(default_engine.encode(GOOD["prompt"]),
+                                      DecodeConfig(method="vanilla", max_new_tokens=1)))
     engine = dataclasses.replace(default_engine, eos_ids=default_engine.eos_ids + first.token_ids)
     cache = EngineCache(Limits(max_new_tokens=16, time_limit_s=1200))
     cache.add(engine)
@@ -340,7 +349,8 @@ def test_limits_default_to_a_free_cpu_space():
     assert limits.models == [DEFAULT_MODEL] and limits.concurrency == 1
     assert limits.max_new_tokens <= 256 and limits.max_prompt_tokens <= 1024 and limits.time_limit_s <= 120
     assert limits.queue_size >= 20  # a burst of 20 visitors waits in the queue instead of being turned away
-    env = {"SDSAT_MAX_NEW_TOKENS": "16", "SDSAT_MAX_PROMPT_TOKENS": "64", "SDSAT_TIME_LIMIT": "5", "SDSAT_QUEUE_SIZE": "4"}
+    env = {"SDSAT_MAX_NEW_TOKENS": "16", "SDSAT_MAX_PROMPT_TOKENS": "64", "SDSAT_TIME_LIMIT": "5",
+           "SDSAT_QUEUE_SIZE": "4"}
     assert dataclasses.astuple(Limits.from_env(env))[1:6] == (16, 64, 8000, 5.0, 1)
 
 
@@ -477,11 +487,12 @@ def test_twenty_concurrent_visitors_each_get_their_own_result(server, default_en
     assert not decoder_threads()
     for request, data in zip(requests, results):
         settings = data["settings"]
-        assert (settings["k"], settings["max_new_tokens"], settings["chat"]) == (request["k"], request["max_new_tokens"],
-                                                                                 request["chat"])
+        assert ((settings["k"], settings["max_new_tokens"], settings["chat"])
+                == (request["k"], request["max_new_tokens"], request["chat"]))
         if request["mode"] == "greedy":
             ids = default_engine.encode(request["prompt"], chat=request["chat"])
-            alone = run(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=request["max_new_tokens"])))
+            alone = run(default_engine.stream(ids, DecodeConfig(method="vanilla",
+                                                                max_new_tokens=request["max_new_tokens"])))
             assert data["identical"] is True and data["sdsat"]["token_ids"] == alone.token_ids
         else:  # a seeded sample is the same whether the request came alone or in a crowd
             alone = app.page.generate_sync(**request)

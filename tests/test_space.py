@@ -76,7 +76,8 @@ def space(space_venv: Path, tmp_path_factory):
     endpoint = hub.start()
     port = free_port()
     env = BASE_ENV | dict(HF_ENDPOINT=endpoint, HF_HOME=str(work / "hf"), SDSAT_CACHE=str(work / "sdsat"),
-                          GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False",
+                          GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
+                          GRADIO_ANALYTICS_ENABLED="False",
                           HF_HUB_DISABLE_TELEMETRY="1", SDSAT_LOAD_RETRY_S="0", OMP_NUM_THREADS="2",
                           SDSAT_MODELS=f"{default_model.DEFAULT_MODEL},nobody/missing-model")
     log = work / "app.log"

@@ -18,7 +18,8 @@ VOCAB = 24
 
 def random_adapter_model(model, num_sats: int = 4, seed: int = 0, inject_layer: int = 0) -> SatModel:
     config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
-                           num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4, inject_layer=inject_layer)
+                           num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4,
+                           inject_layer=inject_layer)
     adapter = SatAdapter.for_model(model, config, init_token_id=3)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -78,7 +79,8 @@ def counting_corpus(n_seqs: int, length: int, seed: int) -> Corpus:
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for _ in range(n_seqs):
-        start, step = int(torch.randint(0, VOCAB - 2, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+        start, step = (int(torch.randint(0, VOCAB - 2, (1,), generator=gen)),
+                       int(torch.randint(1, 4, (1,), generator=gen)))
         seqs.append([2 + (start + step * i) % (VOCAB - 2) for i in range(length)])
     return Corpus({"counting": seqs})
 
@@ -107,7 +109,8 @@ def test_training_takes_draft_acceptance_from_near_zero_to_high(tmp_path, real_t
     prompt = [2 + (5 + 2 * i) % (VOCAB - 2) for i in range(6)]
     config_dec = DecodeConfig(method="sdsat", k=4, max_new_tokens=40)
     sdsat = run(decode(trained, real_tokenizer, prompt, config_dec, eos_ids=[1]))
-    vanilla = run(decode(trained, real_tokenizer, prompt, DecodeConfig(method="vanilla", max_new_tokens=40), eos_ids=[1]))
+    vanilla = run(decode(trained, real_tokenizer, prompt, DecodeConfig(method="vanilla", max_new_tokens=40),
+                         eos_ids=[1]))
     assert sdsat.token_ids == vanilla.token_ids
     assert sdsat.tokens_per_forward_pass > 2.0, sdsat.summary()
 
@@ -118,14 +121,16 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
     base = make_tiny_llama(vocab_size=VOCAB, hidden_size=64)
     corpus = counting_corpus(64, 48, seed=0)
     # The base must itself be predictable for its SATs to be: teach it the language first.
-    base_config = TrainConfig(mode="paper", model="tiny", out=str(tmp_path / "base"), num_sats=1, sat_token="<file_sep>",
+    base_config = TrainConfig(mode="paper", model="tiny", out=str(tmp_path / "base"), num_sats=1,
+                              sat_token="<file_sep>",
                               steps=200, batch_size=8, seq_len=32, runs_per_seq=1, lr=3e-3, warmup=10,
                               weights={"counting": 1.0}, held_out=4, eval_every=200, checkpoint_every=200)
     train(base_config, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
     base.requires_grad_(False).eval()
     frozen = {k: v.clone() for k, v in base.state_dict().items()}
 
-    config = TrainConfig(mode="adapter", model="tiny", out=str(tmp_path / "adapter"), num_sats=3, rank=4, sat_token="<file_sep>",
+    config = TrainConfig(mode="adapter", model="tiny", out=str(tmp_path / "adapter"), num_sats=3, rank=4,
+                         sat_token="<file_sep>",
                          alpha=16.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], inject_layer=0,
                          steps=160, batch_size=8, seq_len=32, runs_per_seq=8, lr=1e-2, warmup=10,
                          weights={"counting": 1.0}, held_out=4, eval_every=80, checkpoint_every=80)
@@ -140,7 +145,8 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
     resumed = train(longer, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
     assert resumed["steps"][0]["step"] == 1 and len(resumed["steps"]) == 200
     assert resumed["steps"][159]["loss"] == record["steps"][159]["loss"]
-    assert resumed["config"]["steps"] == 200 and resumed["resumes"] == [{"step": 160, "previous_config": record["config"]}]
+    assert (resumed["config"]["steps"] == 200
+            and resumed["resumes"] == [{"step": 160, "previous_config": record["config"]}])
 
 
 @pytest.mark.parametrize("inject_layer", [0, 1])
@@ -159,7 +165,8 @@ def test_adapter_save_load_round_trip_drafts_exactly_as_before(tmp_path, inject_
 
     # The shipped file is float16: half the size, and the SAT logits move by rounding only.
     loaded.adapter.save(tmp_path / "half", dtype=torch.float16)
-    assert (tmp_path / "half" / "adapter_model.safetensors").stat().st_size < 0.6 * (tmp_path / "adapter_model.safetensors").stat().st_size
+    assert ((tmp_path / "half" / "adapter_model.safetensors").stat().st_size
+            < 0.6 * (tmp_path / "adapter_model.safetensors").stat().st_size)
     loaded.adapter.detach()
     half = SatModel(model, SatSpec(kind="adapter", max_k=4), SatAdapter.load(tmp_path / "half"))
     after = half.forward(block, slots)
@@ -231,7 +238,8 @@ def test_a_damaged_checkpoint_is_one_clear_error(tmp_path, real_tokenizer, damag
     if damage == "foreign":  # a readable file of something else: no "step", "trainable"...
         torch.save({"weights": torch.zeros(2)}, checkpoint)
     longer = TrainConfig(**{**config.__dict__, "steps": 6})
-    with pytest.raises(ValueError, match="checkpoint .*checkpoint.pt cannot be resumed .*move it away to start the run over"):
+    with pytest.raises(ValueError,
+                       match="checkpoint .*checkpoint.pt cannot be resumed .*move it away to start the run over"):
         train(longer, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
 
 
