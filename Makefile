@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   start the web demo on the embedded default model
-#   make test   run the whole test suite
+#   make test   lint (ruff) and run the whole test suite
 # Both create (or reuse) .venv and install what they need.
 
 PYTHON ?= python3
@@ -29,6 +29,7 @@ demo: install
 	$(BIN)/python app.py
 
 test: install browser
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 clean:
