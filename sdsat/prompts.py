@@ -9,6 +9,16 @@ _MARK = "\ue000SDSAT_PROMPT\ue000"  # a private-use placeholder no template cont
 _ENCODE_LOCK = threading.Lock()  # every encode that sets split_special_tokens goes through it (see tokens())
 
 
+def check_unicode(name: str, text: str) -> str:
+    """`text` if it can be encoded; a ValueError naming `name` for a lone surrogate (JSON's "\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{name} must be valid Unicode text; it has an unpaired surrogate at character "
+                         f"{err.start}") from None
+    return text
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: bool = False) -> list[int]:
     """Token ids of a prompt: raw text to continue, or one user message in the model's chat template.
 
@@ -16,11 +26,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = False, allow_special: boo
     """
     if not isinstance(prompt, str) or prompt == "":
         raise ValueError("prompt must be a non-empty string")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
-        raise ValueError(f"prompt must be valid Unicode text; "
-                         f"it has an unpaired surrogate at character {err.start}") from None
+    check_unicode("prompt", prompt)
     split = not allow_special
 
     def tokens(text: str, split_special: bool, add_special: bool = False) -> list[int]:

@@ -18,7 +18,7 @@ import gradio as gr
 
 from ..decoding import GenerationResult, StepRecord
 from ..models import ModelLoadError
-from ..prompts import encode_chat
+from ..prompts import check_unicode, encode_chat
 from . import zerogpu
 from .handlers import visitor_errors, without_paths
 from .presets import SCHEMES, scheme_settings
@@ -90,11 +90,9 @@ def check_message(message) -> str:
     if not isinstance(message, str) or not message.strip():
         raise SettingError("message is empty: type something to say to the model")
     try:
-        message.encode("utf-8")
-    except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
-        raise SettingError(f"message must be valid Unicode text; it has an unpaired surrogate at character "
-                           f"{err.start}") from None
-    return message
+        return check_unicode("message", message)
+    except ValueError as err:
+        raise SettingError(str(err)) from None
 
 
 def check_history(history) -> list[dict]:
