@@ -158,7 +158,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                     "next message never waits behind a check. The conversation goes through the model's chat "
                     "template; when it outgrows "
                     "the prompt limit the oldest messages are left out, and the reply says so.")
-        turns = gr.State([])  # this visitor's conversation (ChatTurn records)
+        turns = gr.State([], time_to_live=limits.state_ttl_s)  # this visitor's conversation (ChatTurn records)
         chatbot = gr.Chatbot(elem_id="chatbot", height=480, show_label=False, feedback_options=None,
                              placeholder="Say something, or pick an example below.", buttons=["copy"])
         with gr.Row():
