@@ -70,7 +70,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                 api_visibility="private", label="Chat examples",
                                 example_labels=[label for _, label in CHAT_PROMPT_EXAMPLES])
                 scheme = gr.Radio([*SCHEME_LABELS, CUSTOM], value=DEFAULT_SCHEME, label="Scheme", elem_id="scheme",
-                                  info="fastest: the settings measured fastest (README, Results), beyond the paper. "
+                                  info="fastest: the settings measured fastest (docs/results.md), beyond the paper. "
                                        "paper: the paper's two-step SATs alone. Both give output identical to vanilla.")
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",

@@ -1,6 +1,6 @@
 """What the page starts with: the decoding schemes a visitor picks from.
 
-"fastest" is the fastest setting measured on the shipped benchmarks (README, Results:
+"fastest" is the fastest setting measured on the shipped benchmarks (docs/results.md:
 k = 3 with prompt lookup and a draft tree); "paper" is the paper's two-step scheme alone.
 """
 
