@@ -1,7 +1,7 @@
 """The page's example prompts, each labelled with what this model really gives for it.
 
-Checked with the embedded SmolLM2-135M-Instruct and its shipped SATs, greedy, 64 new tokens (the
-issue-18 report has the script and its output). What decides whether the answer is code:
+Checked by decoding each candidate with the embedded SmolLM2-135M-Instruct and its shipped SATs,
+greedy, 64 new tokens (issue 18). What decides whether the answer is code:
 - a bare function or class header continued as raw text: the code (the default example);
 - a header plus a docstring continued as raw text: "```" and a paragraph of prose, so none here;
 - a chat request for a function: a fenced code block;
