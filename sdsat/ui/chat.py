@@ -354,11 +354,10 @@ class Chat:
         afterwards and `identical` says whether greedy SDSAT gave the same token ids.
         """
         cancel = threading.Event()
-        stop = () if zerogpu.on_zero_gpu() else (cancel,)  # an Event cannot reach ZeroGPU's process (zerogpu.py)
         try:
             return await anyio.to_thread.run_sync(self.turn_on_gpu, message, history, model, mode, k, max_new_tokens,
                                                   temperature, top_p, top_k, seed, lookup_tokens, tree_candidates,
-                                                  check_vanilla, *stop, abandon_on_cancel=True)
+                                                  check_vanilla, *zerogpu.cancel_args(cancel), abandon_on_cancel=True)
         finally:
             cancel.set()
 

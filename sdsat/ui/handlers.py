@@ -23,16 +23,14 @@ from . import explorer, figures, zerogpu
 from .headline import headline_html, progress_html
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
-from .render import esc, legend_html, sdsat_html, vanilla_html, waiting_html
-from .settings import Limits, RunRequest, SettingError, check_flag, check_iteration, check_prompt_ids, check_request
+from .render import esc, sdsat_html, vanilla_html, waiting_html
+from .settings import Limits, SettingError, check_flag, check_iteration, check_prompt_ids, check_request
 
 log = logging.getLogger(__name__)
 
 # The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
                 "explorer_slider", "explorer", "record", "run_data")
-REPLAY_FPS = 12
-MAX_REPLAY_S = 60.0
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
 
 
@@ -244,15 +242,12 @@ class Page:
         outputs were identical; every decoder stops at the operator's limits.
         """
         cancel = threading.Event()
-        # On ZeroGPU the call's arguments are pickled into another process, which an Event cannot reach
-        # (zerogpu.py): there the GPU task runs until it ends.
-        stop = () if zerogpu.on_zero_gpu() else (cancel,)
         try:
             # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
             # iteration instead of running on for nobody.
             return await anyio.to_thread.run_sync(self.generate_on_gpu, prompt, model, chat, mode, k, max_new_tokens,
                                                   temperature, top_p, top_k, seed, lookup_tokens, tree_candidates,
-                                                  *stop, abandon_on_cancel=True)
+                                                  *zerogpu.cancel_args(cancel), abandon_on_cancel=True)
         finally:
             cancel.set()
 
@@ -288,8 +283,4 @@ def _checked(check, *args):
         raise invalid(err) from None
 
 
-def legend() -> str:
-    return legend_html()
-
-
-__all__ = ["Page", "RACE_OUTPUTS", "RunRequest", "legend"]
+__all__ = ["Page", "RACE_OUTPUTS"]

@@ -11,6 +11,7 @@ import time
 
 from ..decoding import DecodeConfig, run
 from ..engine import Engine
+from ..errors import first_line
 from ..models import LoadConfig, ModelLoadError
 from .settings import Limits, SettingError
 
@@ -74,7 +75,7 @@ class EngineCache:
                 _warm_up(engine)
         except Exception as err:  # whatever breaks a load, the server keeps serving and says why
             error = err if isinstance(err, ModelLoadError) else ModelLoadError(
-                f"cannot load model {name!r}: {type(err).__name__}: {_first_line(err)}")
+                f"cannot load model {name!r}: {type(err).__name__}: {first_line(err)}")
             self._failures[name] = (time.monotonic(), error)
             log.warning("%s (the server keeps serving; a request after %g s tries again)", error,
                         self.limits.load_retry_s, exc_info=not isinstance(err, (ModelLoadError, OSError)))
@@ -87,10 +88,6 @@ class EngineCache:
         if recorded and time.monotonic() - recorded[0] < self.limits.load_retry_s:
             raise recorded[1]
 
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _warm_up(engine: Engine) -> None:

@@ -18,6 +18,7 @@ What the page relies on, read in the source of `spaces` 0.51 (`spaces/zero/decor
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -26,6 +27,12 @@ F = TypeVar("F", bound=Callable)
 def on_zero_gpu() -> bool:
     """True on a ZeroGPU Space (as `spaces.config` reads it)."""
     return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
+
+
+def cancel_args(cancel: threading.Event) -> tuple:
+    """(cancel,) to pass a decorated call, or () on ZeroGPU, where an Event cannot reach its process
+    (the GPU task then runs until it ends or its booked time does)."""
+    return () if on_zero_gpu() else (cancel,)
 
 
 def gpu(fn: F, duration: int) -> F:
