@@ -46,19 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="wrap the prompt in the model's chat template (default off: plain completion)")
     what.add_argument("--method", default="sdsat", choices=METHODS, help="decoder (default sdsat)")
     what.add_argument("--k", type=int, help="adaptive tokens (drafts) per SDSAT step, 1..the SATs' largest k "
-                      f"(default {DecodeConfig.k}, or that largest k if smaller)")
-    what.add_argument("--scheme", default="two_step", choices=SCHEMES,
-                      help="SDSAT: two_step (the paper: draft pass, then verify pass) or fused (verify and draft "
-                           "the next block in one pass); default two_step")
+                      f"(default: auto's choice; {DecodeConfig.k} with another scheme, or that largest k if smaller)")
+    what.add_argument("--scheme", default="auto", choices=("auto", *SCHEMES),
+                      help="SDSAT: auto (the scheme, k, lookup and tree predicted fastest on this machine from its "
+                           "measured pass costs; --k, --lookup and --tree override its choices), two_step (the "
+                           "paper: draft pass, then verify pass) or fused (verify and draft the next block in one "
+                           "pass); default auto")
     what.add_argument("--adaptive-k", action="store_true",
                       help="SDSAT two_step: adapt k to recent acceptance, up to --k (default off: k fixed)")
-    what.add_argument("--lookup", type=int, default=0, metavar="N",
+    what.add_argument("--lookup", type=int, metavar="N",
                       help="SDSAT two_step: when the last tokens occurred before in the prompt or output, verify up "
                            "to N tokens copied from there (prompt lookup) instead of SAT drafts; "
-                           "0..64, default 0 (off)")
-    what.add_argument("--tree", type=int, default=0, metavar="N",
+                           "0..64, default: auto's choice, else 0 (off)")
+    what.add_argument("--tree", type=int, metavar="N",
                       help="SDSAT two_step, greedy: also verify N of the SATs' runner-up candidates in each verify "
-                           f"pass (a draft tree); 0..{MAX_TREE_CANDIDATES}, default 0 (the chain)")
+                           f"pass (a draft tree); 0..{MAX_TREE_CANDIDATES}, default: auto's choice, else 0 (the chain)")
     what.add_argument("--max-new-tokens", type=int, default=DecodeConfig.max_new_tokens,
                       metavar="N", help=f"stop after N new tokens (default {DecodeConfig.max_new_tokens})")
     what.add_argument("--stop", action="append", default=[], metavar="STR",
@@ -178,8 +180,9 @@ def decode_config(args: argparse.Namespace, max_k: int | None = None):
                               top_k=0 if args.top_k is None else args.top_k, seed=args.seed)
     k = args.k if args.k is not None else min(DecodeConfig.k, max_k or DecodeConfig.k)
     config = DecodeConfig(method=args.method, k=k, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k, scheme=args.scheme,
-                          lookup_tokens=args.lookup, tree_candidates=args.tree)
+                          stop_strings=list(args.stop), adaptive_k=args.adaptive_k,
+                          scheme="two_step" if args.scheme == "auto" else args.scheme,
+                          lookup_tokens=args.lookup or 0, tree_candidates=args.tree or 0)
     if max_k is None:
         replace(config, method="vanilla").validate()
     else:
@@ -208,6 +211,10 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
                                         cpu_kernels=not args.no_cpu_kernels),
                              SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
         config = decode_config(args, max_k=engine.max_k)
+        if args.scheme == "auto" and config.method == "sdsat":
+            given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
+            config = engine.auto_config(config, explicit={name for name, value in given.items() if value is not None})
+            config.validate(max_k=engine.max_k)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
         events = engine.stream(prompt_ids, config)  # checks the prompt against the model's context
     held.release()
@@ -222,6 +229,8 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
         payload = result.to_dict() | {"model": engine.name, "sat_kind": engine.sat_model.spec.kind,
                                       "sat_trained": engine.sat_trained, "chat": args.chat,
                                       "settings": asdict(config)}
+        if engine.tuning is not None:
+            payload["auto"] = engine.tuning.to_dict()
         out.write(json.dumps(payload) + "\n")
     else:
         out.write("\n" + format_stats(result, engine.sat_trained) + "\n")

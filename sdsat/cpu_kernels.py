@@ -36,7 +36,8 @@ TIMED_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)
 # "onednn_packed" keeps a second copy of each weight it routes; above this many bytes of weights it is
 # not offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
 COPY_LIMIT_BYTES = 2 << 30
-_PLAN_FORMAT = 3  # part of the stored plan's key: plans of other variant sets are tuned again
+ROUTED_DTYPES = (torch.float32, torch.bfloat16)
+_PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +71,15 @@ def _pack(weight: torch.Tensor, max_rows: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, max_rows)
 
 
-def _available_variants(total_bytes: int) -> tuple[str, ...]:
+def _available_variants(total_bytes: int, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The variants this torch build can run (oneDNN's ops are internal to torch: checked, not assumed)."""
     variants = ["linear", "weight_left"]
     try:
-        w, x = torch.ones(2, 3), torch.ones(1, 3)
-        if torch.equal(_product("onednn", x, w, None), torch.full((1, 2), 3.0)):
+        w, x = torch.ones(2, 3, dtype=dtype), torch.ones(1, 3, dtype=dtype)
+        if torch.equal(_product("onednn", x, w, None), torch.full((1, 2), 3.0, dtype=dtype)):
             variants.append("onednn")
             if total_bytes <= COPY_LIMIT_BYTES and torch.equal(_product("onednn_packed", x, w, _pack(w, 2)),
-                                                               torch.full((1, 2), 3.0)):
+                                                               torch.full((1, 2), 3.0, dtype=dtype)):
                 variants.append("onednn_packed")
     except (AttributeError, RuntimeError):
         pass
@@ -89,20 +90,21 @@ def _groups(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
     groups: dict[tuple[int, int], list[nn.Linear]] = {}
     for module in model.modules():
         if (isinstance(module, nn.Linear) and module.weight.device.type == "cpu"
-                and module.weight.dtype == torch.float32):
+                and module.weight.dtype in ROUTED_DTYPES):
             groups.setdefault(tuple(module.weight.shape), []).append(module)
     return groups
 
 
 def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_file: Path | None = None) -> KernelPlan:
-    """Time every variant for each weight shape and row count on `model`'s float32 CPU weights.
+    """Time every variant for each weight shape and row count on `model`'s float32 or bfloat16 CPU weights.
 
     Timing every shape at every row count takes seconds, too long to repeat at each start, so the plan
     is kept for the process and, with `cache_file`, on disk under a key of the machine, torch, thread
     count and layer shapes.
     """
     groups = _groups(model)
-    key = json.dumps([_PLAN_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), max_rows,
+    dtypes = sorted({str(m.weight.dtype) for mods in groups.values() for m in mods})
+    key = json.dumps([_PLAN_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), max_rows, dtypes,
                       sorted([list(shape), len(mods)] for shape, mods in groups.items())])
     if key in _PLANS:
         return _PLANS[key]
@@ -116,7 +118,7 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
     start = time.perf_counter()
     plan = KernelPlan()
     total = sum(m.weight.numel() * m.weight.element_size() for mods in groups.values() for m in mods)
-    variants = _available_variants(total)
+    variants = _available_variants(total, next(iter(groups.values()))[0].weight.dtype if groups else torch.float32)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for shape, modules in groups.items():
@@ -124,7 +126,7 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
             packed = [_pack(w, max_rows) if "onednn_packed" in variants else None for w in weights]
             best = {}
             for rows in [r for r in TIMED_ROWS if r < max_rows] + [max_rows]:
-                x = torch.randn(rows, shape[1], generator=gen)
+                x = torch.randn(rows, shape[1], generator=gen).to(weights[0].dtype)
                 times = {v: float("inf") for v in variants}
                 for _ in range(repeats + 1):  # interleaved; the first round also warms up
                     for variant in variants:

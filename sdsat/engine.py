@@ -6,6 +6,7 @@ engine serves every visitor of the app.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +15,11 @@ from typing import Iterator
 from . import ASSETS
 from .checkpoints import known_checkpoint
 from .decoding import DecodeConfig, Event, GenerationResult, decode, run
+from .default_model import cache_dir
 from .models import DEFAULT_MODEL, LoadConfig, load_model
 from .prompts import encode_prompt, eos_ids_of
 from .sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
+from .tuning import Tuning, tune
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,27 @@ class Engine:
     name: str
     sat_trained: bool = True  # False while the SATs are a fresh, untrained adapter
     eos_ids: list[int] = field(default_factory=list)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    tuning: Tuning | None = None  # set by `tune`
+
+    def tune(self) -> Tuning:
+        """Measure this machine's pass costs per precision and plan `auto` settings (tuning.py); may move the
+        model to the precision it chose. Measured once per engine (and cached on disk per machine)."""
+        if self.tuning is None:
+            self.tuning = tune(self.sat_model, self.name, fixed_dtype=self.load_config.dtype != "auto",
+                               kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / "tuning.json")
+        return self.tuning
+
+    def auto_config(self, config: DecodeConfig, explicit: set[str] = frozenset()) -> DecodeConfig:
+        """`config` with the planned scheme, k, lookup and tree, except the fields named in `explicit`."""
+        plan = self.tune().plan
+        if plan is None:
+            return config
+        chosen = {name: value for name, value in vars(plan.settings).items() if name not in explicit}
+        chosen["k"] = min(chosen.get("k", config.k), self.max_k)
+        if any(getattr(config, name) for name in ("lookup_tokens", "tree_candidates") if name in explicit):
+            chosen["scheme"] = "two_step"  # the caller asked for lookup or a tree, which only two_step has
+        return dataclasses.replace(config, **chosen)
 
     @classmethod
     def load(cls, load_config: LoadConfig | None = None, sats: SatSource | None = None) -> "Engine":
@@ -53,7 +77,7 @@ class Engine:
         model, tokenizer = load_model(load_config)
         spec, adapter, trained = _resolve_sats(model, tokenizer, load_config.model, sats)
         sat_model = SatModel(model, spec, adapter)
-        return cls(model, tokenizer, sat_model, load_config.model, trained, eos_ids_of(model, tokenizer))
+        return cls(model, tokenizer, sat_model, load_config.model, trained, eos_ids_of(model, tokenizer), load_config)
 
     @property
     def max_k(self) -> int:

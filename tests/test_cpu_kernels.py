@@ -99,6 +99,7 @@ def test_wide_blocks_are_timed_at_a_few_row_counts_and_take_the_next_ones_choice
 @ONEDNN
 def test_onednn_forms_are_offered_and_the_packed_copy_only_below_the_limit():
     assert cpu_kernels._available_variants(1 << 20) == VARIANTS
+    assert cpu_kernels._available_variants(1 << 20, torch.bfloat16) == VARIANTS  # bfloat16 weights too
     assert cpu_kernels._available_variants(cpu_kernels.COPY_LIMIT_BYTES + 1) == ("linear", "weight_left", "onednn")
 
 

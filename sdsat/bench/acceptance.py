@@ -1,0 +1,87 @@
+"""`python -m sdsat.bench.acceptance`: measure the acceptance trace the `auto` planner replays.
+
+For each prompt: vanilla's greedy output, then, at every output position, one draft pass [t, SAT×K]
+over the true history, recording where each true next token ranks among the SAT's choices
+(planner.py). The trace depends on the model and its SATs, not on the machine, so it is measured once
+and shipped next to the adapter (`acceptance.json`). The default prompts are HumanEval's last 16
+problems, kept apart from the benchmark's headline subset (0–15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from ..planner import MISSED, TRACE_FILE, PromptTrace, Trace
+
+
+def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> list[list[int]]:
+    """Per output position n, the ranks of output tokens n + 1 .. n + depth among SATs 1..depth at the draft
+    pass fed the token before position n (positions past the output are left out of the row)."""
+    device = sat_model.device
+    cache = DynamicCache(config=sat_model.model.config)
+    seq = prompt_ids + output_ids
+    slots = torch.cat([torch.tensor([-1]), torch.arange(depth)])[None].to(device)
+    ranks = []
+    with torch.inference_mode():
+        if len(prompt_ids) > 1:
+            sat_model.forward(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, logits_to_keep=1)
+        for n in range(len(output_ids)):
+            t = seq[len(prompt_ids) + n - 1]
+            ids = torch.tensor([[t] + [0] * depth], device=device)
+            logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=depth + 1)[0, 1:]
+            cache.crop(-depth)  # the SATs leave the cache, t stays
+            row = []
+            for d in range(1, depth + 1):
+                if n + d >= len(output_ids):
+                    break
+                true = output_ids[n + d]
+                row.append(min(int((logits[d - 1] > logits[d - 1, true]).sum()), MISSED))
+            ranks.append(row)
+    return ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sdsat.bench.acceptance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--subset", default="148-163", help="HumanEval problems (default 148-163)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                        help="tokens of vanilla output per prompt (default 128)")
+    parser.add_argument("--model", default=None, metavar="ID_OR_DIR",
+                        help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", metavar="FILE",
+                        help=f"where to write the trace (default: {TRACE_FILE} in the model's adapter folder)")
+    args = parser.parse_args(argv)
+
+    from ..config import DecodeConfig
+    from ..engine import Engine
+    from ..models import DEFAULT_MODEL, LoadConfig
+    from .prompts import humaneval_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL))
+    if engine.sat_model.spec.adapter is None and not args.out:
+        parser.error("--out is needed for a model whose SATs are not an adapter folder")
+    out = Path(args.out or Path(engine.sat_model.spec.adapter) / TRACE_FILE)
+    depth = engine.max_k
+    traces = []
+    for prompt in humaneval_prompts(args.subset):
+        ids = engine.encode(prompt.text)
+        result = engine.generate(prompt.text, DecodeConfig(method="vanilla", max_new_tokens=args.max_new_tokens))
+        traces.append(PromptTrace(ids, result.token_ids, ranks_along(engine.sat_model, ids, result.token_ids, depth)))
+        print(f"{prompt.name}: {len(result.token_ids)} tokens", file=sys.stderr)
+    source = (f"HumanEval {args.subset}, {engine.name}, greedy, {args.max_new_tokens} new tokens: "
+              f"python -m sdsat.bench.acceptance --subset {args.subset} --max-new-tokens {args.max_new_tokens}")
+    Trace(traces, depth, source).save(out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

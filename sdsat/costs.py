@@ -1,0 +1,175 @@
+"""What a forward pass costs on this machine, and whether a row comes out the same alone or in a batch.
+
+Speculative decoding pays when its tokens per pass exceed what its wider passes cost against a
+one-token pass, and that cost curve depends on the processor, the precision and the kernels
+(docs/architecture.md, "Why the CPU matters"). `measure_curve` times the real passes on the loaded
+model: plain causal blocks of 1..32 tokens (vanilla, prompt lookup, verify passes) and SDSAT draft
+blocks [t, SAT×k]. `check_rows` compares each row of a block with the same token computed alone,
+which is what greedy identity rests on.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from . import timing
+from .kvcache import behind_cache, rollback
+from .sat import SatModel
+from .tree import DraftTree
+
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)  # plain block sizes timed; others take the next timed one
+CONTEXT = 128  # tokens in the KV cache while timing (a short prompt plus some output)
+# Largest difference between a row computed alone and in a block, relative to the row's largest logit, that
+# still counts as "close": float32 rounding stays orders of magnitude below it, bfloat16's does not.
+CLOSE_DRIFT = 1e-3
+NOISY_SPREAD = 1.5
+
+
+@dataclass
+class CostCurve:
+    """Median seconds per pass of this model, in one precision and kernel routing."""
+
+    dtype: str
+    plain: dict[int, float] = field(default_factory=dict)  # block width -> seconds
+    draft: dict[int, float] = field(default_factory=dict)  # k -> seconds of [t, SAT×k] (k + 1 tokens)
+    # The one-token pass's slowest round over its fastest: far above 1, something else was using the cores
+    # while measuring (the curve is then used but not kept).
+    spread: float = 1.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread > NOISY_SPREAD
+
+    @property
+    def one_token_s(self) -> float:
+        return self.plain[1]
+
+    def pass_s(self, width: int) -> float:
+        """Seconds of a plain block of `width` tokens: the next timed width up (the widest beyond it, scaled)."""
+        timed = [w for w in sorted(self.plain) if w >= width]
+        if timed:
+            return self.plain[timed[0]]
+        widest = max(self.plain)
+        return self.plain[widest] * width / widest
+
+    def draft_s(self, k: int) -> float:
+        return self.draft[k] if k in self.draft else self.pass_s(k + 1)
+
+    def relative(self) -> dict[int, float]:
+        """Plain pass cost by width, relative to a one-token pass."""
+        return {w: s / self.one_token_s for w, s in sorted(self.plain.items())}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostCurve":
+        return cls(dtype=str(data["dtype"]), plain={int(w): float(s) for w, s in data["plain"].items()},
+                   draft={int(k): float(s) for k, s in data["draft"].items()}, spread=float(data.get("spread", 1)))
+
+
+@dataclass
+class RowCheck:
+    """How the rows of a block compare with the same tokens computed one at a time."""
+
+    rows: int  # rows compared
+    bit_equal: int  # rows whose logits were bit-for-bit those of the token alone
+    argmax_equal: int  # rows whose top token was the same
+    max_drift: float  # the largest logit difference seen, relative to the row's largest logit
+
+    @property
+    def invariant(self) -> bool:
+        """Every row bit-equal: greedy SDSAT reproduces vanilla's output exactly, whatever the near-ties."""
+        return self.bit_equal == self.rows
+
+    @property
+    def close(self) -> bool:
+        """Rows differ by rounding only (float32): greedy output equals vanilla's unless two tokens tie
+        within that rounding, which every run checks."""
+        return self.argmax_equal == self.rows and self.max_drift <= CLOSE_DRIFT
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"invariant": self.invariant, "close": self.close}
+
+
+def _prefill(sat_model: SatModel, context: int, generator: torch.Generator) -> tuple[DynamicCache, int]:
+    model = sat_model.model
+    vocab = model.get_input_embeddings().weight.shape[0]
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(0, vocab, (1, context), generator=generator).to(sat_model.device)
+    with torch.inference_mode():
+        sat_model.forward(ids, cache=cache, logits_to_keep=1)
+    return cache, vocab
+
+
+def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None, context: int = CONTEXT,
+                  repeats: int = 5, seed: int = 0) -> CostCurve:
+    """Time plain blocks of each width and draft blocks [t, SAT×k] for k = 1..`drafts` (default: the
+    SATs' largest k, at most 8), sizes interleaved in every round; medians, the first round dropped."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, vocab = _prefill(sat_model, context, gen)
+    device = sat_model.device
+    drafts = min(sat_model.max_k, 8) if drafts is None else drafts
+    blocks = [("plain", w) for w in sorted(set(widths) | {1})] + [("draft", k) for k in range(1, drafts + 1)]
+    times: dict[tuple[str, int], list[float]] = {b: [] for b in blocks}
+    for _ in range(repeats + 1):
+        for kind, size in blocks:
+            width = size if kind == "plain" else size + 1
+            ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
+            slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
+            start = timing.now(device)
+            with torch.inference_mode():
+                sat_model.forward(ids, slots, cache=cache, logits_to_keep=width)
+            times[(kind, size)].append(timing.now(device) - start)
+            rollback(cache, context)
+    median = {b: statistics.median(v[1:]) for b, v in times.items()}
+    dtype = str(next(sat_model.model.parameters()).dtype).removeprefix("torch.")
+    one = times[("plain", 1)][1:]
+    return CostCurve(dtype=dtype, plain={s: t for (kind, s), t in median.items() if kind == "plain"},
+                     draft={s: t for (kind, s), t in median.items() if kind == "draft"}, spread=max(one) / min(one))
+
+
+def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16), context: int = 64, seed: int = 1) -> RowCheck:
+    """Compare, row by row, the logits of blocks as every decoder feeds them with those of the same
+    tokens fed one at a time (what vanilla computes): plain causal blocks of each width, a draft-tree
+    block under its 4-D mask, and a draft block [t, SAT×k] (whose first row is the token SDSAT keeps
+    for sure)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, vocab = _prefill(sat_model, context, gen)
+    device = sat_model.device
+    alone_rows, block_rows = [], []
+    with torch.inference_mode():
+        for width in widths:
+            ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
+            alone = [sat_model.forward(ids[:, i:i + 1], cache=cache, logits_to_keep=1)[0, -1] for i in range(width)]
+            rollback(cache, context)
+            block = sat_model.forward(ids, cache=cache, logits_to_keep=width)[0]
+            rollback(cache, context)
+            alone_rows += alone
+            block_rows += list(block)
+        # A tree's chain rows (t, then depth 1, 2, ...) see what a plain block's do; its runner-ups ride along.
+        tree = DraftTree.for_k(3, 2)
+        ids = torch.randint(0, vocab, (1, 1 + len(tree.paths)), generator=gen).to(device)
+        chain = [0] + [1 + i for i, p in enumerate(tree.paths) if set(p) == {0}]
+        alone = [sat_model.forward(ids[:, i:i + 1], cache=cache, logits_to_keep=1)[0, -1] for i in chain]
+        rollback(cache, context)
+        block = sat_model.forward(ids, cache=cache, attention_mask=behind_cache(tree.attention_mask, context, device),
+                                  position_ids=tree.position_offsets.to(device) + context)[0]
+        rollback(cache, context)
+        alone_rows += alone
+        block_rows += [block[i] for i in chain]
+        k = min(3, sat_model.max_k)
+        slots = torch.cat([torch.tensor([-1]), torch.arange(k)])[None].to(device)
+        draft = sat_model.forward(ids[:, :k + 1], slots, cache=cache, logits_to_keep=k + 1)[0, 0]
+        rollback(cache, context)
+        alone_rows.append(sat_model.forward(ids[:, :1], cache=cache, logits_to_keep=1)[0, -1])
+        block_rows.append(draft)
+        rollback(cache, context)
+    pairs = list(zip(alone_rows, block_rows))
+    drift = max(float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-30)) for a, b in pairs)
+    return RowCheck(rows=len(pairs), bit_equal=sum(bool(torch.equal(a, b)) for a, b in pairs),
+                    argmax_equal=sum(int(a.argmax()) == int(b.argmax()) for a, b in pairs), max_drift=drift)

@@ -1,0 +1,233 @@
+"""`auto` settings: the SDSAT settings predicted to give the most tokens per second on this machine.
+
+Two things decide it. The machine's cost curve (costs.py: what a pass over T tokens and a draft
+pass cost, measured at load) and how often the SATs' drafts are right (an acceptance trace,
+measured once per adapter and shipped with it: `python -m sdsat.bench.acceptance`). The trace holds,
+for greedy decodes of held-out prompts, every output token and, at every position, the rank of the
+true next tokens among each SAT's choices. Replaying the decoders' rules over it (prompt lookup from
+the real history, the tree walk over the real ranks) gives each candidate setting's tokens and
+pass time per prompt; the planner takes the setting with the best median predicted speed-up over
+the fastest vanilla decoding (which may run in another precision). The choice is deterministic for
+a given curve and trace.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .config import SCHEMES
+from .costs import CostCurve
+from .drafters import lookup_continuation
+from .tree import MAX_EXTRA, DraftTree
+
+TRACE_FILE = "acceptance.json"
+LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turns lookup on
+LOOKUP_NGRAM = 2
+MISSED = 9  # a rank of this or above: the true token was not among the SAT's top choices kept
+
+
+@dataclass
+class PromptTrace:
+    """One greedy decode: the prompt, vanilla's output, and per output position the SATs' ranks."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    # ranks[n][d - 1]: at the draft pass fed output token n - 1 (the prompt's last token for n = 0), the rank of
+    # output token n + d among SAT d's choices (0: its top choice; MISSED or above: not among the top ones kept)
+    ranks: list[list[int]]
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def copies(self, n: int, max_tokens: int) -> list[int]:
+        """Prompt lookup's copies after the prompt and the first `n` output tokens (replays ask many times)."""
+        key = (n, max_tokens)
+        if key not in self._copies:
+            history = self.prompt_ids + self.output_ids[:n]
+            self._copies[key] = lookup_continuation(history, LOOKUP_NGRAM, max_tokens)
+        return self._copies[key]
+
+
+@dataclass
+class Trace:
+    """Acceptance traces of one adapter (what `python -m sdsat.bench.acceptance` writes)."""
+
+    prompts: list[PromptTrace]
+    depth: int  # SATs measured per position
+    source: str = ""  # which prompts, model and command
+
+    def save(self, path: Path) -> None:
+        rows = [{"prompt_ids": p.prompt_ids, "output_ids": p.output_ids,
+                 "ranks": ["".join(str(min(r, MISSED)) for r in row) for row in p.ranks]} for p in self.prompts]
+        path.write_text(json.dumps({"depth": self.depth, "source": self.source, "prompts": rows}) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "Trace":
+        data = json.loads(Path(path).read_text())
+        prompts = [PromptTrace(p["prompt_ids"], p["output_ids"], [[int(c) for c in row] for row in p["ranks"]])
+                   for p in data["prompts"]]
+        return cls(prompts, int(data["depth"]), data.get("source", ""))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings a plan chooses (DecodeConfig's fields of the same names)."""
+
+    scheme: str = "two_step"
+    k: int = 3
+    lookup_tokens: int = 0
+    tree_candidates: int = 0
+
+
+@dataclass
+class Prediction:
+    """A setting's replay: predicted tokens per forward pass and speed-up (median over the trace's prompts)."""
+
+    settings: Settings
+    tokens_per_pass: float
+    speedup: float  # against the fastest vanilla decoding
+    speedup_same_numerics: float  # against vanilla in the curve's own precision
+
+
+@dataclass
+class Plan:
+    """The chosen settings, why, and what the runner-ups were predicted to give."""
+
+    settings: Settings
+    predicted: Prediction
+    dtype: str  # the precision the curve was measured in
+    baseline: str  # the fastest vanilla decoding, e.g. "float32 vanilla, 38.1 ms per token"
+    reason: str
+    candidates: list[Prediction] = field(default_factory=list)  # the best few, best first
+
+    def to_dict(self) -> dict:
+        return {"settings": asdict(self.settings), "predicted_speedup": round(self.predicted.speedup, 3),
+                "predicted_speedup_same_numerics": round(self.predicted.speedup_same_numerics, 3),
+                "predicted_tokens_per_pass": round(self.predicted.tokens_per_pass, 3), "dtype": self.dtype,
+                "baseline": self.baseline, "reason": self.reason,
+                "candidates": [asdict(c.settings) | {"predicted_speedup": round(c.speedup, 3)}
+                               for c in self.candidates]}
+
+
+def _accepted(tree: DraftTree, ranks: list[int]) -> int:
+    """Drafts a greedy verify pass over `tree` accepts when the true tokens have these ranks by depth."""
+    children, node, accepted = tree.children, -1, 0
+    while True:
+        depth = accepted
+        nxt = next((c for c in children.get(node, []) if depth < len(ranks) and tree.paths[c][-1] == ranks[depth]
+                    and len(tree.paths[c]) == depth + 1), None)
+        if nxt is None:
+            return accepted
+        node, accepted = nxt, accepted + 1
+
+
+def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[int, int, float]:
+    """Replay one decode under `settings`: (tokens produced, forward passes, predicted seconds)."""
+    out, ranks, total = trace.output_ids, trace.ranks, len(trace.output_ids)
+    k, lookup = settings.k, settings.lookup_tokens
+    tree = DraftTree.for_k(k, settings.tree_candidates)
+    n = passes = 0
+    seconds = 0.0
+
+    def copied(at: int) -> tuple[int, int] | None:
+        """(copies verified, copies right) when prompt lookup finds the history's end earlier, else None."""
+        copies = trace.copies(at, lookup)[:total - at] if lookup and at < total else []
+        if not copies:
+            return None
+        right = next((i for i, c in enumerate(copies) if c != out[at + i]), len(copies))
+        return len(copies), right
+
+    if settings.scheme == "fused":
+        # One draft pass, then passes of [start, k drafts, k SATs] that verify and draft at once.
+        seconds, passes, n = curve.draft_s(k), 1, 1
+        while n < total:
+            a = _accepted(DraftTree.for_k(k, 0), ranks[n - 1][:k]) if n - 1 < len(ranks) else 0
+            seconds += curve.draft_s(k) * curve.pass_s(2 * k + 1) / curve.pass_s(k + 1)
+            passes += 1
+            n += a + 1
+        return total, passes, seconds
+    while n < total:
+        hit = copied(n) if n else None
+        if hit:  # lookup_direct: verify the copies at once, no draft pass
+            width, right = hit
+            seconds += curve.pass_s(1 + width)
+            passes += 1
+            n += right + 1
+            continue
+        seconds += curve.draft_s(k)  # the draft pass: the sure token and k drafts
+        passes += 1
+        n += 1
+        if n >= total:
+            break
+        hit = copied(n)
+        if hit:  # lookup_after_draft
+            width, right = hit
+            seconds += curve.pass_s(1 + width)
+            n += right + 1
+        else:
+            seconds += curve.pass_s(1 + len(tree.paths))
+            n += _accepted(tree, ranks[n - 1][:k]) + 1
+        passes += 1
+    return total, passes, seconds
+
+
+def candidates(max_k: int, greedy: bool = True, depth: int | None = None,
+               schemes: tuple[str, ...] = SCHEMES) -> list[Settings]:
+    """Every setting the planner weighs: the chain, trees (greedy only) and prompt lookup per k, and fused."""
+    top = min(max_k, depth or max_k)
+    out = []
+    for k in range(1, top + 1):
+        if "fused" in schemes:
+            out.append(Settings("fused", k))
+        if "two_step" not in schemes:
+            continue
+        for lookup in (0, LOOKUP_TOKENS):
+            for tree in range(0, (MAX_EXTRA if greedy else 0) + 1):
+                if len(DraftTree.for_k(k, tree).paths) - k < tree:  # fewer runner-ups fit this depth
+                    continue
+                out.append(Settings("two_step", k, lookup, tree))
+    return out
+
+
+def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: float) -> Prediction:
+    """Median over prompts of the replayed speed-up against a vanilla decode at `baseline_s` per token."""
+    ratios, same, tokens, passes = [], [], 0, 0
+    for prompt in trace.prompts:
+        n, p, seconds = replay(prompt, settings, curve)
+        ratios.append(n * baseline_s / seconds)
+        same.append(n * curve.one_token_s / seconds)
+        tokens, passes = tokens + n, passes + p
+    return Prediction(settings, tokens / max(passes, 1), statistics.median(ratios), statistics.median(same))
+
+
+def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = True,
+           usable: set[str] | None = None, schemes: tuple[str, ...] = SCHEMES) -> Plan:
+    """The setting and precision with the best predicted speed-up over the fastest vanilla of `curves`.
+
+    `usable`: the precisions SDSAT may decode in (those whose rows pass the row check for greedy
+    decoding); vanilla's baseline is the fastest one-token pass of every curve, usable or not.
+    """
+    fastest = min(curves, key=lambda c: c.one_token_s)
+    baseline = f"{fastest.dtype} vanilla, {fastest.one_token_s * 1e3:.1f} ms per token"
+    scored = []
+    for curve in curves:
+        if usable is not None and curve.dtype not in usable:
+            continue
+        for settings in candidates(max_k, greedy, trace.depth, schemes):
+            scored.append((predict(trace, settings, curve, fastest.one_token_s), curve.dtype))
+    if not scored:
+        raise ValueError("no precision is usable for SDSAT on this machine")
+    # Best predicted speed-up; ties go to the cheaper setting (smaller k, fewer candidates), then to the listed order.
+    scored.sort(key=lambda s: (-round(s[0].speedup, 6), s[0].settings.k, s[0].settings.tree_candidates))
+    best, dtype = scored[0]
+    s = best.settings
+    what = (f"{s.scheme} k={s.k}" + (f", prompt lookup {s.lookup_tokens}" if s.lookup_tokens else "")
+            + (f", draft tree +{s.tree_candidates}" if s.tree_candidates else ""))
+    if best.speedup > 1:
+        reason = (f"{what} in {dtype}: predicted {best.speedup:.2f}× the fastest vanilla ({baseline}), "
+                  f"{best.tokens_per_pass:.2f} tokens per pass")
+    else:
+        reason = (f"no setting is predicted to beat vanilla on this machine; the closest is {what} in {dtype} at "
+                  f"{best.speedup:.2f}× ({baseline})")
+    return Plan(s, best, dtype, baseline, reason, [p for p, _ in scored[:5]])

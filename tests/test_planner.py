@@ -1,0 +1,137 @@
+"""The `auto` planner: replays of a trace follow the decoders' rules, and its choice follows the cost curve.
+
+Synthetic curves and traces only (no model): the choice must be deterministic for a given curve,
+wide and deep where passes are flat, small where they are steep, and scored against the fastest
+vanilla decoding whatever its precision.
+"""
+
+import random
+
+import pytest
+
+from sdsat.costs import CostCurve
+from sdsat.planner import MISSED, PromptTrace, Settings, Trace, choose, predict, replay
+from sdsat.tree import MAX_EXTRA
+
+
+def curve(cost, dtype="float32", one=0.04, sat_overhead=1.1) -> CostCurve:
+    """A curve whose pass over w tokens costs one * cost(w); draft passes pay `sat_overhead` on top."""
+    plain = {w: one * cost(w) for w in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)}
+    return CostCurve(dtype, plain, {k: one * cost(k + 1) * sat_overhead for k in range(1, 9)})
+
+
+FLAT = lambda w: 1.0  # noqa: E731  (a GPU-like curve)
+STEEP = lambda w: float(w)  # noqa: E731  (every row costs a full pass)
+
+
+def synthetic_trace(seed=0, prompts=6, length=96, depth=6, repeat=False) -> Trace:
+    """Ranks drawn per position: the true token is a SAT's first choice less often the deeper it drafts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(1000) for _ in range(40)]
+        output = [rng.randrange(1000) for _ in range(length)]
+        if repeat:  # the output copies a stretch of the prompt: prompt lookup finds it
+            output[20:50] = prompt[5:35]
+        ranks = []
+        for n in range(length):
+            row = []
+            for d in range(1, depth + 1):
+                if n + d >= length:
+                    break
+                r = rng.random()
+                first = 0.7 * 0.85 ** (d - 1)
+                row.append(0 if r < first else 1 if r < first + 0.15 else 2 if r < first + 0.22 else MISSED)
+            ranks.append(row)
+        out.append(PromptTrace(prompt, output, ranks))
+    return Trace(out, depth)
+
+
+def test_replay_of_perfect_drafts_counts_the_two_step_tokens():
+    """Every draft right: an iteration is a draft pass (1 sure token) and a verify pass (k drafts + bonus)."""
+    trace = PromptTrace(list(range(100, 140)), list(range(1000, 1100)), [[0] * 5 for _ in range(100)])
+    n, passes, seconds = replay(trace, Settings(k=3), curve(FLAT))
+    assert n == 100
+    assert passes == 2 * 20  # 100 tokens, 5 per iteration of two passes
+    assert seconds == pytest.approx(20 * (0.04 * 1.1 + 0.04))
+
+
+def test_replay_of_wrong_drafts_and_a_runner_up_tree():
+    """Drafts that are always the SATs' second choice: the chain gets none, a tree with (1,) gets one per pass."""
+    trace = PromptTrace(list(range(100, 140)), list(range(1000, 1060)), [[1] * 3 for _ in range(60)])
+    n_chain, passes_chain, _ = replay(trace, Settings(k=3), curve(FLAT))
+    n_tree, passes_tree, _ = replay(trace, Settings(k=3, tree_candidates=1), curve(FLAT))
+    assert n_chain == n_tree == 60
+    assert passes_chain == 2 * 30  # 2 tokens per iteration: the sure token and the bonus
+    assert passes_tree == 2 * 20  # 3: the runner-up at depth 1 is accepted too
+
+
+def test_replay_uses_prompt_lookup_where_the_output_repeats_the_prompt():
+    trace = synthetic_trace(repeat=True).prompts[0]
+    plain = replay(trace, Settings(k=3), curve(FLAT))
+    lookup = replay(trace, Settings(k=3, lookup_tokens=10), curve(FLAT))
+    assert lookup[1] < plain[1]  # fewer passes for the same tokens
+
+
+def test_flat_curve_chooses_deep_drafts_and_a_wide_tree():
+    plan = choose([curve(FLAT)], synthetic_trace(), max_k=6)
+    assert plan.settings.k >= 5
+    assert plan.predicted.speedup > 1.5
+    assert "predicted" in plan.reason
+    two_step = choose([curve(FLAT)], synthetic_trace(), max_k=6, schemes=("two_step",))
+    assert two_step.settings.k >= 5 and two_step.settings.tree_candidates >= MAX_EXTRA // 2
+
+
+def test_steep_curve_chooses_few_drafts_and_says_when_nothing_beats_vanilla():
+    plan = choose([curve(STEEP)], synthetic_trace(), max_k=6)
+    assert plan.settings.k == 1 and plan.settings.tree_candidates == 0
+    assert plan.predicted.speedup < 1
+    assert plan.reason.startswith("no setting is predicted to beat vanilla")
+
+
+def test_moderate_curve_lies_between():
+    moderate = choose([curve(lambda w: 1 + 0.08 * (w - 1))], synthetic_trace(), max_k=6).settings
+    flat = choose([curve(FLAT)], synthetic_trace(), max_k=6).settings
+    assert 1 <= moderate.k <= flat.k
+    assert moderate.tree_candidates <= flat.tree_candidates
+
+
+def test_choice_is_deterministic_for_a_curve():
+    trace = synthetic_trace(seed=3)
+    curves = [curve(lambda w: 1 + 0.05 * w), curve(lambda w: 1 + 0.02 * w, "bfloat16", one=0.05)]
+    first, second = choose(curves, trace, max_k=6), choose(curves, trace, max_k=6)
+    assert first.to_dict() == second.to_dict()
+
+
+def test_baseline_is_the_fastest_vanilla_even_in_an_unusable_precision():
+    """bfloat16 vanilla is faster but its rows may not decode SDSAT: SDSAT runs float32 and is scored
+    against bfloat16's vanilla, never against the slower float32 one."""
+    trace = synthetic_trace()
+    fp32, bf16 = curve(FLAT, "float32", one=0.040), curve(FLAT, "bfloat16", one=0.030)
+    plan = choose([fp32, bf16], trace, max_k=6, usable={"float32"})
+    assert plan.dtype == "float32"
+    assert plan.baseline.startswith("bfloat16 vanilla")
+    assert plan.predicted.speedup == pytest.approx(plan.predicted.speedup_same_numerics * 0.030 / 0.040)
+    alone = predict(trace, plan.settings, fp32, fp32.one_token_s)
+    assert plan.predicted.speedup < alone.speedup
+
+
+def test_usable_precision_that_is_faster_is_chosen():
+    trace = synthetic_trace()
+    plan = choose([curve(FLAT, "float32", one=0.040), curve(FLAT, "bfloat16", one=0.030)], trace, max_k=6,
+                  usable={"float32", "bfloat16"})
+    assert plan.dtype == "bfloat16"
+
+
+def test_sampling_plans_have_no_tree():
+    plan = choose([curve(FLAT)], synthetic_trace(), max_k=6, greedy=False)
+    assert plan.settings.tree_candidates == 0
+
+
+def test_trace_round_trips_through_its_file(tmp_path):
+    trace = synthetic_trace(prompts=2, length=20)
+    trace.save(tmp_path / "acceptance.json")
+    again = Trace.load(tmp_path / "acceptance.json")
+    assert again.depth == trace.depth
+    assert [p.ranks for p in again.prompts] == [p.ranks for p in trace.prompts]
+    assert [p.output_ids for p in again.prompts] == [p.output_ids for p in trace.prompts]

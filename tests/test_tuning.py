@@ -1,0 +1,103 @@
+"""Load-time tuning on this machine's kernels: the row check, precisions tried and restored, bfloat16
+greedy identity, and the engine's `auto` settings (planner.py has the synthetic-curve tests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdsat import cpu_kernels, tuning
+from sdsat.costs import check_rows, measure_curve
+from sdsat.decoding import DecodeConfig, decode, run
+from test_decoding import KINDS, TOKENIZER, make_sat_model, random_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _state(sat_model) -> dict:
+    return {k: v.clone() for m in (sat_model.model, sat_model.adapter) if m is not None
+            for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", tuning.CPU_PRECISIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_precision_is_usable_exactly_when_greedy_sdsat_can_rely_on_it(kind, precision):
+    """On this machine's kernels: the row check decides whether greedy SDSAT may decode in a precision, and
+    a usable one really gives vanilla's output in that precision, for chains, trees, lookup and fused.
+    float32 always differs by rounding alone. (bfloat16 is row-invariant on some CPUs and not on others:
+    where it is not, the tuner leaves it out, and its greedy outputs are not compared.)"""
+    sat_model = make_sat_model(kind)
+    with tuning.trying(sat_model, precision):
+        assert tuning.dtype_name(sat_model.model) == precision
+        check = check_rows(sat_model)
+        assert check.rows > 30 and check.bit_equal <= check.argmax_equal <= check.rows
+        if precision == "float32":
+            assert check.close, check
+        if not (check.invariant or check.close):
+            return
+        for prompt in random_prompts(seed=7, count=6):
+            vanilla = run(decode(sat_model, TOKENIZER, prompt, DecodeConfig(method="vanilla", max_new_tokens=24), []))
+            for k in (1, 3, 5):
+                for extra in (dict(), dict(tree_candidates=3), dict(lookup_tokens=6), dict(scheme="fused")):
+                    config = DecodeConfig(k=k, max_new_tokens=24, **extra)
+                    sdsat = run(decode(sat_model, TOKENIZER, prompt, config, []))
+                    assert sdsat.token_ids == vanilla.token_ids, (k, extra, prompt)
+
+
+def test_trying_a_precision_restores_the_model_bit_for_bit():
+    sat_model = make_sat_model("adapter")
+    model = sat_model.model
+    plan = cpu_kernels.KernelPlan({tuple(m.weight.shape): ["linear"] * 4 for m in model.modules()
+                                   if isinstance(m, torch.nn.Linear)})
+    cpu_kernels.install(model, plan)
+    before, attention = _state(sat_model), model.config._attn_implementation
+    with tuning.trying(sat_model, "bfloat16"):
+        assert model.config._attn_implementation == "eager"
+        assert cpu_kernels.installed_plan(model) is not plan
+    after = _state(sat_model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert model.config._attn_implementation == attention and cpu_kernels.installed_plan(model) is plan
+
+
+def test_cost_curve_covers_plain_and_draft_blocks():
+    sat_model = make_sat_model("adapter")
+    curve = measure_curve(sat_model, widths=(1, 2, 4), drafts=3, context=16, repeats=1)
+    assert set(curve.plain) == {1, 2, 4} and set(curve.draft) == {1, 2, 3}
+    assert all(s > 0 for s in [*curve.plain.values(), *curve.draft.values()])
+    assert curve.pass_s(3) == curve.plain[4] and curve.pass_s(8) == pytest.approx(curve.plain[4] * 2)
+
+
+def test_engine_plans_auto_settings_from_the_shipped_trace_and_keeps_the_measurement(default_engine, tmp_path,
+                                                                                     monkeypatch):
+    """The default model ships its acceptance trace: tuning plans, and `auto_config` applies the plan except
+    what the caller set; a second tuning reads the disk. (The loaded precision only: other tests share this
+    engine, and trying other precisions is tested on tiny models.)"""
+    monkeypatch.setattr(tuning, "measure_curve", lambda sat_model: _fast_curve(sat_model))
+    engine = default_engine
+    engine.tuning = None
+    cache = tmp_path / "tuning.json"
+    first = tuning.tune(engine.sat_model, engine.name, fixed_dtype=True, cache_file=cache)
+    assert first.plan is not None and first.plan.dtype in first.usable == ["float32"]
+    engine.tuning = first
+    config = engine.auto_config(DecodeConfig(max_new_tokens=16))
+    assert (config.scheme, config.k, config.lookup_tokens, config.tree_candidates) == (
+        first.plan.settings.scheme, first.plan.settings.k, first.plan.settings.lookup_tokens,
+        first.plan.settings.tree_candidates)
+    mine = engine.auto_config(DecodeConfig(k=1, lookup_tokens=3, max_new_tokens=16),
+                              explicit={"k", "lookup_tokens"})
+    assert (mine.k, mine.lookup_tokens, mine.scheme) == (1, 3, "two_step")
+    monkeypatch.setattr(tuning, "measure_curve", lambda sat_model: pytest.fail("measured again"))
+    again = tuning.tune(engine.sat_model, engine.name, fixed_dtype=True, cache_file=cache)
+    assert again.to_dict() == first.to_dict()
+    assert first.to_dict()["plan"]["reason"]
+
+
+def test_without_a_trace_auto_keeps_the_given_settings():
+    sat_model = make_sat_model("vocab")
+    result = tuning.tune(sat_model, "tiny", cache_file=None)
+    assert result.plan is None and "no acceptance trace" in result.note
+    assert set(result.curves) == set(tuning.CPU_PRECISIONS)
+
+
+def _fast_curve(sat_model):
+    return measure_curve(sat_model, widths=(1, 2, 4, 8, 16), context=32, repeats=1)
