@@ -131,7 +131,7 @@ def test_invalid_unicode_is_a_clear_error(page):
                        match="prompt must be valid Unicode text; it has an unpaired surrogate at character 1"):
         encode_prompt(TOK, "a\ud800b")
     with pytest.raises(gr.Error, match="valid Unicode text"):  # what JSON's "\\ud800" becomes in an API call
-        list(page.run(**(GOOD | dict(prompt="x\udfffy")), show_rejected=False))
+        list(page.race(**(GOOD | dict(prompt="x\udfffy")), show_rejected=False))
 
 
 # -- the model's context ----------------------------------------------------------------------------------
@@ -173,8 +173,8 @@ def test_page_refuses_a_prompt_beyond_the_context(default_engine):
     cache.add(default_engine)
     page = Page(limits, cache)
     with pytest.raises(gr.Error, match="the model's context (of|is) 8192 tokens"):
-        list(page.run(**(GOOD | dict(prompt="hello " * 8300)), show_rejected=False))
-    assert page.generate_sync(**(GOOD | dict(max_new_tokens=2)))["identical"] is True
+        list(page.race(**(GOOD | dict(prompt="hello " * 8300)), show_rejected=False))
+    assert page.generate_sync(GOOD | dict(max_new_tokens=2))["identical"] is True
 
 
 # -- adapters, SAT ids, models -------------------------------------------------------------------------------
@@ -304,7 +304,7 @@ def test_a_prompt_that_stops_at_once(default_engine):
 
 # -- the page ------------------------------------------------------------------------------------------------
 GOOD = dict(prompt="def add(a, b):\n", model=DEFAULT_MODEL, chat=False, mode="greedy", k=4, max_new_tokens=3,
-            temperature=1.0, top_p=1.0, top_k=0, seed=0)
+            temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0, tree_candidates=0)
 
 
 def tags_of(fragment: str) -> set[str]:
@@ -312,7 +312,7 @@ def tags_of(fragment: str) -> set[str]:
 
 
 def final_outputs(page: Page, **settings) -> dict:
-    return dict(zip(RACE_OUTPUTS, list(page.run(**(GOOD | settings), show_rejected=True))[-1]))
+    return dict(zip(RACE_OUTPUTS, list(page.race(**(GOOD | settings), show_rejected=True))[-1]))
 
 
 @pytest.fixture(scope="module")
@@ -378,13 +378,13 @@ def test_visitor_model_values_never_reach_a_load(monkeypatch):
     page = Page(Limits())
     for model in HOSTILE_MODELS:
         with pytest.raises(gr.Error, match="model must be one of"):
-            list(page.run(**(GOOD | dict(model=model)), show_rejected=False))
+            list(page.race(**(GOOD | dict(model=model)), show_rejected=False))
         with pytest.raises(gr.Error, match="model must be one of"):
             page.model_controls(model)
     assert loads == []
     # The operator's own model is loaded, and never with trust_remote_code.
     with pytest.raises(gr.Error, match="could not be loaded"):
-        list(page.run(**GOOD, show_rejected=False))
+        list(page.race(**GOOD, show_rejected=False))
     assert [(c.model, c.trust_remote_code) for c in loads] == [(DEFAULT_MODEL, False)]
 
 
@@ -503,7 +503,7 @@ def test_twenty_concurrent_visitors_each_get_their_own_result(server, default_en
                                                                 max_new_tokens=request["max_new_tokens"])))
             assert data["identical"] is True and data["sdsat"]["token_ids"] == alone.token_ids
         else:  # a seeded sample is the same whether the request came alone or in a crowd
-            alone = app.page.generate_sync(**request)
+            alone = app.page.generate_sync(request | dict(lookup_tokens=0, tree_candidates=0))
             assert data["sdsat"]["token_ids"] == alone["sdsat"]["token_ids"]
             assert data["vanilla"]["token_ids"] == alone["vanilla"]["token_ids"]
     # The server answers normally afterwards.

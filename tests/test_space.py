@@ -229,9 +229,9 @@ def test_on_zero_gpu_the_pages_events_call_the_decorated_functions(tmp_path: Pat
     assert out["events"]["race"] == out["duration"]  # the race's event calls the decorated generator itself
     assert out["events"]["generate"] is None  # /generate is async (spaces refuses those): it awaits the decorated call
     assert out["events"]["chat"] is None  # so is /chat
-    assert {"run", "respond", "regenerate", "race_turn"} <= set(out["decorated"])  # the race and the Chat tab
+    assert {"race", "respond", "regenerate", "race_turn"} <= set(out["decorated"])  # the race and the Chat tab
     assert out["duration"] >= out["time_limit"]
     noted = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [n["fn"] for n in noted] == ["generate_sync", "run", "turn_sync"]
+    assert [n["fn"] for n in noted] == ["generate_sync", "race", "turn_sync"]
     assert all(n["duration"] == out["duration"] for n in noted)
     assert out["generated"] is True and out["raced"] is True and out["chatted"] is True
