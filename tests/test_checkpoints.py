@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sdsat.checkpoints import known_checkpoint
-from sdsat.decoding import DecodeConfig, run
+from sdsat.decoding import DecodeConfig, collect
 from sdsat.engine import Engine
 from sdsat.models import LoadConfig, resolve_dtype
 from sdsat.ui.handlers import Page
@@ -69,9 +69,9 @@ def test_a_folder_like_the_papers_checkpoint_gets_its_sats_from_the_table(checkp
     assert not engine.chat_available
     ids = engine.encode("def add ( a , b ) :")
     assert ids[0] == BOS and ids.count(BOS) == 1  # the tokenizer's BOS, once
-    vanilla = run(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=24)))
+    vanilla = collect(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=24)))
     for k in (1, 15):
-        sdsat = run(engine.stream(ids, DecodeConfig(method="sdsat", k=k, max_new_tokens=24)))
+        sdsat = collect(engine.stream(ids, DecodeConfig(method="sdsat", k=k, max_new_tokens=24)))
         assert sdsat.token_ids == vanilla.token_ids
         assert all(len(step.drafts) == k for step in sdsat.steps if step.draft_source == "sat")
 

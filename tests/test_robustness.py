@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import OUR_TAGS, make_tiny_llama, parse_html
-from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.decoding import DecodeConfig, decode, collect
 from sdsat.models import DEFAULT_MODEL, LoadConfig, ModelLoadError, load_model
 from sdsat.prompts import encode_prompt
 from sdsat.sampling import SamplingConfig
@@ -76,7 +76,8 @@ def tiny() -> SatModel:
 
 def good(tiny: SatModel) -> list[int]:
     """A request that works: run after every refused one, to show nothing was lost."""
-    return run(decode(tiny, TOK, [5, 6, 7], DecodeConfig(method="sdsat", k=2, max_new_tokens=4), eos_ids=[])).token_ids
+    config = DecodeConfig(method="sdsat", k=2, max_new_tokens=4)
+    return collect(decode(tiny, TOK, [5, 6, 7], config, eos_ids=[])).token_ids
 
 
 # -- bad settings: a ValueError naming the setting and its allowed range ---------------------------------
@@ -146,7 +147,7 @@ def test_context_limit_is_exact_and_never_passed(tiny, method, scheme, room):
         new = 6
         prompt = [5 + i % 50 for i in range(TINY_CONTEXT - new - room)]
         config = DecodeConfig(method=method, k=3, max_new_tokens=new, scheme=scheme)
-        result = run(decode(tiny, TOK, prompt, config, eos_ids=[]))
+        result = collect(decode(tiny, TOK, prompt, config, eos_ids=[]))
         assert len(result.token_ids) == new and max(positions) < TINY_CONTEXT
         with pytest.raises(ValueError, match=f"max_new_tokens can be at most {new} for this prompt"):
             decode(tiny, TOK, prompt, dataclasses.replace(config, max_new_tokens=new + 1), eos_ids=[])
@@ -284,8 +285,8 @@ def test_odd_prompts_decode_and_special_text_stays_text(default_engine, name, ch
     special = set(default_engine.tokenizer.all_special_ids)
     template = [i for i in default_engine.encode("x", chat=chat) if i in special]  # the chat template's own
     assert [i for i in ids if i in special] == template, "special-token text in the prompt became control tokens"
-    vanilla = run(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=3)))
-    sdsat = run(default_engine.stream(ids, DecodeConfig(method="sdsat", k=3, max_new_tokens=3)))
+    vanilla = collect(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=3)))
+    sdsat = collect(default_engine.stream(ids, DecodeConfig(method="sdsat", k=3, max_new_tokens=3)))
     assert sdsat.token_ids == vanilla.token_ids and sdsat.text == vanilla.text and vanilla.token_ids
 
 
@@ -294,10 +295,10 @@ def test_a_prompt_that_stops_at_once(default_engine):
     ids = default_engine.encode(FINISHED_TURN, allow_special=True)
     for config in (DecodeConfig(method="vanilla", max_new_tokens=8),
                    DecodeConfig(method="sdsat", k=4, max_new_tokens=8)):
-        result = run(default_engine.stream(ids, config))
+        result = collect(default_engine.stream(ids, config))
         assert result.token_ids == default_engine.eos_ids[:1] and result.stop_reason == "eos" and result.text == ""
         assert len(result.steps) == 1
-    as_text = run(default_engine.stream(default_engine.encode(FINISHED_TURN),
+    as_text = collect(default_engine.stream(default_engine.encode(FINISHED_TURN),
                                         DecodeConfig(method="vanilla", max_new_tokens=1)))
     assert as_text.stop_reason == "max_new_tokens"
 
@@ -332,7 +333,7 @@ def test_odd_prompts_on_the_page(page, name):
 
 def test_a_run_that_stops_at_once_on_the_page(default_engine):
     # The engine stops on the token it would emit first, as a model does whose first token is EOS.
-    first = run(default_engine.stream(default_engine.encode(GOOD["prompt"]),
+    first = collect(default_engine.stream(default_engine.encode(GOOD["prompt"]),
                                       DecodeConfig(method="vanilla", max_new_tokens=1)))
     engine = dataclasses.replace(default_engine, eos_ids=default_engine.eos_ids + first.token_ids)
     cache = EngineCache(Limits(max_new_tokens=16, time_limit_s=1200))
@@ -499,7 +500,7 @@ def test_twenty_concurrent_visitors_each_get_their_own_result(server, default_en
                 == (request["k"], request["max_new_tokens"], request["chat"]))
         if request["mode"] == "greedy":
             ids = default_engine.encode(request["prompt"], chat=request["chat"])
-            alone = run(default_engine.stream(ids, DecodeConfig(method="vanilla",
+            alone = collect(default_engine.stream(ids, DecodeConfig(method="vanilla",
                                                                 max_new_tokens=request["max_new_tokens"])))
             assert data["identical"] is True and data["sdsat"]["token_ids"] == alone.token_ids
         else:  # a seeded sample is the same whether the request came alone or in a crowd

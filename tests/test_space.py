@@ -22,7 +22,7 @@ import pytest
 
 from local_hub import HubRepo, LocalHub
 from sdsat import default_model
-from sdsat.decoding import DecodeConfig, run
+from sdsat.decoding import DecodeConfig, collect
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -144,7 +144,7 @@ def test_the_space_then_fetches_the_default_model_and_decodes_identically(space,
     assert result["sdsat"]["token_ids"] == result["vanilla"]["token_ids"]
     # The Hub-fetched file is the packaged one: the same tokens as the model this test run loaded from the package.
     ids = default_engine.encode(PROMPT)
-    reference = run(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
+    reference = collect(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
     assert result["vanilla"]["token_ids"] == reference.token_ids
     assert len(complete_downloads(space["hf_cache"])) == 1
     assert "Traceback" not in space["log"].read_text()

@@ -28,7 +28,7 @@ import torch
 from transformers import GenerationConfig
 
 from .. import timing
-from ..decoding import MAX_TREE_CANDIDATES, DecodeConfig, run
+from ..decoding import MAX_TREE_CANDIDATES, DecodeConfig, collect
 from ..engine import Engine
 from ..sampling import MIN_TEMPERATURE, SamplingConfig
 
@@ -188,7 +188,7 @@ def _run_engine(engine: Engine, variant: Variant, prompt_ids, config: DecodeConf
     device = next(engine.model.parameters()).device
     with count_forward_passes(engine.model) as passes:
         start = timing.now(device)
-        result = run(engine.stream(prompt_ids, config))
+        result = collect(engine.stream(prompt_ids, config))
         seconds = timing.now(device) - start
     steps = result.steps
     return Run(prompt_index=prompt_index, repeat=repeat, method=variant.method, k=variant.k,
