@@ -22,18 +22,10 @@ DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures
                 warmup_tokens=16)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _add_method_options(parser: argparse.ArgumentParser) -> None:
+    """What races, and each method's settings."""
     from .methods import METHODS
 
-    parser = argparse.ArgumentParser(prog="python -m sdsat.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_argument_group("prompts")
-    source.add_argument("--prompts", metavar="FILE", help='JSON lines {"prompt": ..., "kind": "completion"|"chat"}; '
-                        "default: HumanEval")
-    source.add_argument("--subset", metavar="SPEC",
-                        help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive; default: all)')
-    source.add_argument("--limit", type=int, metavar="N",
-                        help="at most N prompts, after --subset (default: all; 3 with --quick)")
     what = parser.add_argument_group("methods")
     what.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
                       help=f"any of {', '.join(METHODS)} (default: all)")
@@ -59,6 +51,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            "(lookup_ngram) after which the lookup recipes copy, in tokens (default 2)")
     what.add_argument("--tree-candidates", type=int, default=2, metavar="N",
                       help="the tree recipes' runner-up candidates per verify pass, 1..8 (default 2)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m sdsat.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_argument_group("prompts")
+    source.add_argument("--prompts", metavar="FILE", help='JSON lines {"prompt": ..., "kind": "completion"|"chat"}; '
+                        "default: HumanEval")
+    source.add_argument("--subset", metavar="SPEC",
+                        help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive; default: all)')
+    source.add_argument("--limit", type=int, metavar="N",
+                        help="at most N prompts, after --subset (default: all; 3 with --quick)")
+    _add_method_options(parser)
     how = parser.add_argument_group("measurement")
     how.add_argument("--max-new-tokens", type=int, metavar="N",
                      help="new tokens per generation (default 256; 32 with --quick)")
