@@ -20,11 +20,12 @@ from sdsat.ui.benchmark import bench_page, short_machine
 from sdsat.ui.chat import Chat
 from sdsat.ui.events import close_direct_routes
 from sdsat.ui.examples import CHAT_EXAMPLES, EXAMPLE_LABELS, EXAMPLES
-from sdsat.ui.handlers import RACE_OUTPUTS, Page
+from sdsat.ui.handlers import RACE_INPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, scheme_of, scheme_settings
 from sdsat.ui.render import legend_html, waiting_html
 from sdsat.ui.replay import REPLAY_JS, REPLAY_STATUS
-from sdsat.ui.settings import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, Limits
+from sdsat.sampling import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K
+from sdsat.ui.settings import Limits
 from sdsat.ui.style import LAUNCH
 from sdsat.ui.zerogpu import on_zero_gpu
 
@@ -202,14 +203,17 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     outputs = dict(headline=headline, vanilla=vanilla_out, sdsat=sdsat_out, race_plot=race_plot,
                    accepted_plot=accepted_plot, position_plot=position_plot, pass_plot=pass_plot,
                    explorer_slider=iteration, explorer=explorer_out, record=record, run_data=run_data)
-    settings = [prompt, model, chat, mode, k, max_new, temperature, top_p, top_k, seed]
-    # lookup and tree last, after show_rejected: /race callers that send the earlier inputs keep working
-    # preprocess=False: the page's own check (sdsat/ui/settings.py) parses what clients send, not the components
-    run_event = run_btn.click(page.run_on_gpu, inputs=[*settings, show_rejected, lookup, tree],
-                              outputs=[outputs[n] for n in RACE_OUTPUTS], api_name="race",
-                              concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False)
+    race_inputs = dict(prompt=prompt, model=model, chat=chat, mode=mode, k=k, max_new_tokens=max_new,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, show_rejected=show_rejected,
+                       lookup_tokens=lookup, tree_candidates=tree)
+    # /race's positional order is RACE_INPUTS (sdsat/ui/handlers.py): lookup and tree last, after show_rejected,
+    # so that /race callers that send the earlier inputs keep working.
+    # preprocess=False: the page's own parsing (sdsat/ui/settings.py) reads what clients send, not the components
+    race_event = run_btn.click(page.race_on_gpu, inputs=[race_inputs[n] for n in RACE_INPUTS],
+                               outputs=[outputs[n] for n in RACE_OUTPUTS], api_name="race",
+                               concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False)
     replay_btn.click(None, js=REPLAY_JS, api_visibility="private")  # plays in the browser: no server call
-    stop_btn.click(None, cancels=[run_event], api_visibility="private")
+    stop_btn.click(None, cancels=[race_event], api_visibility="private")
     scheme.input(lambda name: tuple(scheme_settings(name).values()) if name != CUSTOM else (gr.skip(),) * 3, scheme,
                  [k, lookup, tree], api_visibility="private")
     for slider in (k, lookup, tree):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import check_choice, check_whole
 from .sampling import SamplingConfig
 from .tree import MAX_EXTRA as MAX_TREE_CANDIDATES
 
@@ -45,18 +46,22 @@ class DecodeConfig:
             return 0
         return self.k * (2 if self.scheme == "fused" else 1)
 
+    def prompt_room(self, max_context: int) -> int:
+        """The longest prompt that leaves room in `max_context` for the new tokens and the draft positions."""
+        return max_context - self.max_new_tokens - self.draft_positions
+
     def validate(self, max_k: int | None = None, max_new_tokens_limit: int = 100_000) -> None:
         """Raise ValueError naming the first setting out of its range (or a combination that does not work)."""
-        _choice("method", self.method, METHODS)
-        _whole("max_new_tokens", self.max_new_tokens, 1, max_new_tokens_limit)
-        _choice("scheme", self.scheme, SCHEMES)
+        check_choice("method", self.method, METHODS)
+        check_whole("max_new_tokens", self.max_new_tokens, 1, max_new_tokens_limit)
+        check_choice("scheme", self.scheme, SCHEMES)
         if self.method == "sdsat":
             if max_k is None:
                 raise ValueError("SDSAT decoding needs a model with adaptive tokens (a SAT spec or adapter)")
-            _whole("k (number of adaptive tokens)", self.k, 1, max_k)
-            _whole("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS, off=True)
-            _whole("tree_candidates", self.tree_candidates, 0, MAX_TREE_CANDIDATES, off=True)
-            _whole("lookup_ngram", self.lookup_ngram, 1, MAX_LOOKUP_NGRAM)
+            check_whole("k (number of adaptive tokens)", self.k, 1, max_k)
+            check_whole("lookup_tokens", self.lookup_tokens, 0, MAX_LOOKUP_TOKENS, off=True)
+            check_whole("tree_candidates", self.tree_candidates, 0, MAX_TREE_CANDIDATES, off=True)
+            check_whole("lookup_ngram", self.lookup_ngram, 1, MAX_LOOKUP_NGRAM)
             for name in ("lookup_tokens", "tree_candidates"):
                 if getattr(self, name) and self.scheme != "two_step":
                     raise ValueError(f"{name} works with the two_step scheme only")
@@ -71,18 +76,8 @@ class DecodeConfig:
         if prompt_len + drafts >= max_context:
             raise ValueError(f"the prompt has {prompt_len} tokens{extra}, but the model's context is {max_context} "
                              "tokens: shorten the prompt")
-        if prompt_len + self.max_new_tokens + drafts > max_context:
+        if prompt_len > self.prompt_room(max_context):
             raise ValueError(f"prompt ({prompt_len} tokens) plus max_new_tokens ({self.max_new_tokens}){extra} must "
                              f"fit the model's context of {max_context} tokens: max_new_tokens can be at most "
                              f"{max_context - prompt_len - drafts} for this prompt")
 
-
-def _choice(name: str, value, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _whole(name: str, value, low: int, high: int, off: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        low_text = f"{low} (off)" if off else str(low)
-        raise ValueError(f"{name} must be between {low_text} and {high}, got {value!r}")

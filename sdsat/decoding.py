@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from .config import MAX_LOOKUP_TOKENS, METHODS, SCHEMES, DecodeConfig
 from .drafters import DraftContext, Proposal, drafter_for
 from .prompts import StopChecker
-from .records import Event, GenerationResult, StepRecord, run
+from .records import Event, GenerationResult, StepRecord, collect
 from .sampling import TokenChooser
 from .sat import SatModel
 from .timing import Clock
@@ -32,7 +32,9 @@ from .tree import MAX_EXTRA as MAX_TREE_CANDIDATES
 from .verify import Verdict, verify_chain, verify_tree
 
 __all__ = ["DecodeConfig", "Event", "GenerationResult", "MAX_LOOKUP_TOKENS", "MAX_TREE_CANDIDATES", "METHODS",
-           "SCHEMES", "StepRecord", "decode", "run"]
+           "SCHEMES", "StepRecord", "collect", "decode", "run"]
+
+run = collect  # the former name of `collect`, kept for code that imports it from here
 
 
 def decode(sat_model: SatModel | torch.nn.Module, tokenizer, prompt_ids: list[int], config: DecodeConfig,

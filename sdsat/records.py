@@ -152,8 +152,8 @@ class GenerationResult:
 Event = StepRecord | GenerationResult
 
 
-def run(events: Iterator[Event]) -> GenerationResult:
-    """Drain a decoder and return its result."""
+def collect(events: Iterator[Event]) -> GenerationResult:
+    """Drain a decoder's events and return its result."""
     for event in events:
         if isinstance(event, GenerationResult):
             return event

@@ -6,15 +6,19 @@ Names follow the speculative-sampling papers: `p` is the target model's distribu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from .errors import check_real, check_whole
+
 # Below this, logits / temperature overflow float32 (1e-40 gives inf - inf = NaN probabilities); 0.01
 # already makes sampling all but greedy, so nothing useful lies beneath it.
 MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 5.0  # higher ones give near-random text
+MAX_TOP_K = 1000
+MAX_SEED = 2**31 - 1
 
 
 @dataclass
@@ -22,20 +26,20 @@ class SamplingConfig:
     """How tokens are chosen; greedy unless do_sample."""
 
     do_sample: bool = False  # False: argmax (greedy); True: sample with the settings below
-    temperature: float = 1.0  # >= MIN_TEMPERATURE; only used when sampling
+    temperature: float = 1.0  # in [MIN_TEMPERATURE, MAX_TEMPERATURE]; only used when sampling
     top_p: float = 1.0  # in (0, 1]; 1 keeps every token
-    top_k: int = 0  # >= 0; 0 keeps every token
-    seed: int | None = None  # seeds the sampler; None draws a fresh seed
+    top_k: int = 0  # 0..MAX_TOP_K; 0 keeps every token
+    seed: int | None = None  # 0..MAX_SEED, seeds the sampler; None draws a fresh seed
 
     def validate(self) -> None:
+        """Raise ValueError naming the first setting out of its range; greedy ignores (and skips) them all."""
         if not self.do_sample:
             return
-        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
-            raise ValueError(f"temperature must be at least {MIN_TEMPERATURE} when sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off) or more, got {self.top_k}")
+        check_real("temperature", self.temperature, MIN_TEMPERATURE, MAX_TEMPERATURE)
+        check_real("top_p", self.top_p, 0, 1, low_open=True)
+        check_whole("top_k", self.top_k, 0, MAX_TOP_K, off=True)
+        if self.seed is not None:
+            check_whole("seed", self.seed, 0, MAX_SEED)
 
 
 class TokenChooser:

@@ -18,10 +18,17 @@ from sdsat.ui.handlers import RACE_OUTPUTS, Page
 from sdsat.ui.race import make_record, race
 from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
-from sdsat.ui.settings import Limits, SettingError, check_request
+from sdsat.ui.settings import REQUEST_INPUTS, Limits, SettingError, parse_request
 
 GOOD = dict(prompt="def add(a, b):\n", model=DEFAULT_MODEL, chat=False, mode="greedy", k=4, max_new_tokens=8,
-            temperature=1.0, top_p=1.0, top_k=0, seed=0)
+            temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0, tree_candidates=0)
+
+
+def check_request(limits: Limits, max_k: int, inputs: dict):
+    """What the page does with a request: parse it, then (once the model, here its max_k, is known) check it."""
+    request = parse_request(limits, inputs)
+    request.validate(limits, max_k)
+    return request
 
 
 @pytest.fixture(scope="module")
@@ -33,34 +40,46 @@ def page(default_engine):
 
 # -- settings -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("change, named", [
-    (dict(k=0), "k (adaptive tokens"), (dict(k=9), "between 1 and 8"), (dict(k=2.5), "k (adaptive tokens"),
-    (dict(max_new_tokens=0), "max new tokens"), (dict(max_new_tokens=10_000), "between 1 and 128"),
+    (dict(k=0), "k (number of adaptive tokens) must be between 1 and 8, got 0"),
+    (dict(k=9), "k (number of adaptive tokens) must be between 1 and 8, got 9"),
+    (dict(k=2.5), "k (number of adaptive tokens) must be a whole number between 1 and 8, got 2.5"),
+    (dict(max_new_tokens=0), "max_new_tokens must be between 1 and 128, got 0"),
+    (dict(max_new_tokens=10_000), "max_new_tokens must be between 1 and 128, got 10000"),
     (dict(mode="beam"), "decoding"), (dict(model="gpt2"), "model must be one of"),
     (dict(model="/etc/passwd"), "model must be one of"), (dict(prompt=""), "prompt is empty"),
     (dict(prompt="x" * 9000), "at most 8000 characters"),
-    (dict(mode="sampling", temperature=0), "temperature"),
-    (dict(mode="sampling", temperature=float("nan")), "temperature"),
-    (dict(mode="sampling", top_p=1.5), "top-p"), (dict(mode="sampling", top_p=0), "top-p"),
-    (dict(mode="sampling", top_k=-1), "top-k"), (dict(mode="sampling", seed=-3), "seed"),
-    (dict(mode="sampling", seed=None), "seed"),
-    (dict(lookup_tokens=65), "prompt lookup tokens must be between 0 and 64"),
-    (dict(lookup_tokens=-1), "prompt lookup tokens must be between 0 and 64"),
-    (dict(lookup_tokens="many"), "prompt lookup tokens must be a whole number"),
-    (dict(tree_candidates=9), "draft tree candidates must be between 0 and 8"),
-    (dict(tree_candidates=1.5), "draft tree candidates must be a whole number"),
+    (dict(mode="sampling", temperature=0), "temperature must be in [0.01, 5.0], got 0.0"),
+    (dict(mode="sampling", temperature=float("nan")), "temperature must be a number in [0.01, 5.0], got nan"),
+    (dict(mode="sampling", temperature=5.5), "temperature must be in [0.01, 5.0], got 5.5"),
+    (dict(mode="sampling", top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(mode="sampling", top_p=0), "top_p must be in (0, 1], got 0.0"),
+    (dict(mode="sampling", top_k=-1), "top_k must be between 0 (off) and 1000, got -1"),
+    (dict(top_k=1001), "top_k must be between 0 (off) and 1000, got 1001"),
+    (dict(mode="sampling", seed=-3), "seed must be between 0 and 2147483647, got -3"),
+    (dict(mode="sampling", seed=None), "seed must be a whole number between 0 and 2147483647, got None"),
+    (dict(seed=2**31), "seed must be between 0 and 2147483647, got 2147483648"),
+    (dict(lookup_tokens=65), "lookup_tokens must be between 0 (off) and 64, got 65"),
+    (dict(lookup_tokens=-1), "lookup_tokens must be between 0 (off) and 64, got -1"),
+    (dict(lookup_tokens="many"), "lookup_tokens must be a whole number between 0 (off) and 64, got 'many'"),
+    (dict(tree_candidates=9), "tree_candidates must be between 0 (off) and 8, got 9"),
+    (dict(tree_candidates=1.5), "tree_candidates must be a whole number between 0 (off) and 8, got 1.5"),
     # Issue 17: tiny temperatures overflow logits / T; strings are not booleans; any JSON type, any size.
     (dict(mode="sampling", temperature=1e-40), "temperature must be in [0.01, 5.0], got 1e-40"),
     (dict(mode="sampling", temperature=5e-324), "temperature must be in [0.01, 5.0]"),
     (dict(mode="sampling", temperature=10**400), "temperature must be a number in [0.01, 5.0], got a 401-digit number"),
     (dict(temperature="abc"), "temperature must be a number"),  # ignored by greedy, still checked
-    (dict(temperature=[1.0]), "temperature must be a number"), (dict(top_p={"x": 1}), "top-p must be a number"),
+    (dict(temperature=[1.0]), "temperature must be a number in [0.01, 5.0], got [1.0]"),
+    (dict(top_p={"x": 1}), "top_p must be a number in (0, 1], got {'x': 1}"),
     (dict(chat="0"), "chat must be true or false, got '0'"), (dict(chat="no"), "chat must be true or false"),
     (dict(chat={"x": 0}), "chat must be true or false, got {'x': 0}"), (dict(chat=1), "chat must be true or false"),
     (dict(chat=None), "chat must be true or false"),
-    (dict(k=10**400), "k (adaptive tokens per step) must be between 1 and 8, got a 401-digit number"),
-    (dict(k=-(10**400)), "k (adaptive tokens"), (dict(k=1e308), "k (adaptive tokens"),
-    (dict(k=[4]), "k (adaptive tokens"), (dict(k=True), "k (adaptive tokens"), (dict(seed=float("inf")), "seed"),
-    (dict(max_new_tokens="NaN"), "max new tokens"),
+    (dict(k=10**400), "k (number of adaptive tokens) must be between 1 and 8, got a 401-digit number"),
+    (dict(k=-(10**400)), "k (number of adaptive tokens) must be between 1 and 8, got a 401-digit number"),
+    (dict(k=1e308), "k (number of adaptive tokens) must be between 1 and 8, got a 309-digit number"),
+    (dict(k=[4]), "k (number of adaptive tokens) must be a whole number between 1 and 8, got [4]"),
+    (dict(k=True), "k (number of adaptive tokens) must be a whole number between 1 and 8, got True"),
+    (dict(seed=float("inf")), "seed must be a whole number between 0 and 2147483647, got inf"),
+    (dict(max_new_tokens="NaN"), "max_new_tokens must be a whole number between 1 and 128, got nan"),
     (dict(prompt=["hi"]), "prompt must be text, got ['hi']"), (dict(prompt=None), "prompt must be text"),
     (dict(prompt="a\ud800"), "prompt must be valid Unicode text"),
     (dict(mode=["greedy"]), "mode (decoding) must be one of"), (dict(model=["x"]), "model must be one of"),
@@ -68,33 +87,70 @@ def page(default_engine):
 ])
 def test_bad_setting_names_the_setting(change, named):
     with pytest.raises(SettingError) as raised:
-        check_request(Limits(), 8, **(GOOD | change))
+        check_request(Limits(), 8, (GOOD | change))
     assert named in str(raised.value) and len(str(raised.value)) < 200
 
 
 def test_settings_parse_strictly_but_accept_what_clients_mean():
-    assert check_request(Limits(), 8, **(GOOD | dict(chat="false"))).chat is False  # not bool("false")
-    assert check_request(Limits(), 8, **(GOOD | dict(chat="true"))).chat is True
-    assert check_request(Limits(), 8, **(GOOD | dict(k=-0.0 + 4, seed=-0.0, lookup_tokens=-0.0))).lookup_tokens == 0
-    sampled = check_request(Limits(), 8, **(GOOD | dict(mode="sampling", temperature="0.01", top_p=1e-300)))
-    assert sampled.sampling.temperature == 0.01 and sampled.sampling.top_p == 1e-300
+    assert check_request(Limits(), 8, (GOOD | dict(chat="false"))).chat is False  # not bool("false")
+    assert check_request(Limits(), 8, (GOOD | dict(chat="true"))).chat is True
+    config = check_request(Limits(), 8, (GOOD | dict(k=-0.0 + 4, seed=-0.0, lookup_tokens=-0.0))).config
+    assert (config.k, config.sampling.seed, config.lookup_tokens) == (4, 0, 0)
+    sampled = check_request(Limits(), 8, (GOOD | dict(mode="sampling", temperature="0.01", top_p=1e-300)))
+    assert sampled.config.sampling.temperature == 0.01 and sampled.config.sampling.top_p == 1e-300
+    assert isinstance(check_request(Limits(), 8, (GOOD | dict(temperature=1))).config.sampling.temperature, float)
+
+
+def test_the_page_parses_first_and_checks_every_range_once_the_model_is_known(page, monkeypatch):
+    # Before the model is loaded only what the page alone knows is checked; k's range needs the model's SATs.
+    request = parse_request(Limits(), GOOD | dict(k=99, top_k="5000"))
+    assert (request.config.k, request.config.sampling.top_k) == (99, 5000)
+    with pytest.raises(SettingError, match=r"k \(number of adaptive tokens\) must be between 1 and 8, got 99"):
+        request.validate(Limits(), 8)
+    # Greedy runs ignore the sampling settings, and still refuse bad ones.
+    with pytest.raises(SettingError, match="top_k must be between 0 .off. and 1000, got 5000"):
+        parse_request(Limits(), GOOD | dict(top_k="5000")).validate(Limits(), 8)
+    # One check per request: the page validates the decoder's config once, after loading the model.
+    from sdsat.config import DecodeConfig
+
+    calls = []
+    real = DecodeConfig.validate
+    monkeypatch.setattr(DecodeConfig, "validate", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    page.prepare(GOOD)
+    assert calls == [1]
+
+
+def test_the_api_handlers_take_the_request_inputs_by_their_names():
+    import inspect
+
+    from sdsat.ui.chat import Chat
+    from sdsat.ui.handlers import RACE_INPUTS
+
+    def names(fn) -> list[str]:
+        return list(inspect.signature(fn).parameters)[1:]
+
+    assert names(Page.generate) == list(REQUEST_INPUTS)  # /generate's schema
+    assert names(Page.race) == list(RACE_INPUTS)  # /race's, in the order of app.py's components
+    assert set(RACE_INPUTS) == set(REQUEST_INPUTS) | {"show_rejected"}
+    assert set(REQUEST_INPUTS) - set(names(Chat.turn)) == {"prompt", "chat"}  # /chat: the message is the prompt
 
 
 def test_good_settings_fill_both_configs():
-    request = check_request(Limits(), 8, **(GOOD | dict(mode="sampling", temperature=0.7, top_k="40", seed=3.0)))
+    request = check_request(Limits(), 8, (GOOD | dict(mode="sampling", temperature=0.7, top_k="40", seed=3.0)))
     vanilla, sdsat = request.decode_config("vanilla"), request.decode_config("sdsat")
     assert (vanilla.method, sdsat.method, sdsat.k, sdsat.max_new_tokens) == ("vanilla", "sdsat", 4, 8)
     assert sdsat.sampling.do_sample and sdsat.sampling.top_k == 40 and sdsat.sampling.seed == 3
     assert vanilla.sampling is not sdsat.sampling
     assert sdsat.lookup_tokens == 0  # off unless asked
-    request = check_request(Limits(), 8, **(GOOD | dict(lookup_tokens="6")))
+    request = check_request(Limits(), 8, (GOOD | dict(lookup_tokens="6")))
     assert (request.decode_config("sdsat").lookup_tokens, request.decode_config("vanilla").lookup_tokens) == (6, 0)
     assert request.settings()["lookup_tokens"] == 6
-    request = check_request(Limits(), 8, **(GOOD | dict(tree_candidates=2)))
+    request = check_request(Limits(), 8, (GOOD | dict(tree_candidates=2)))
     assert (request.decode_config("sdsat").tree_candidates, request.decode_config("vanilla").tree_candidates) == (2, 0)
     assert request.settings()["tree_candidates"] == 2 and sdsat.tree_candidates == 0
-    sampled = check_request(Limits(), 8, **(GOOD | dict(mode="sampling", tree_candidates=2)))
-    assert sampled.decode_config("sdsat").tree_candidates == sampled.settings()["tree_candidates"] == 0  # greedy only
+    sampled = check_request(Limits(), 8, (GOOD | dict(mode="sampling", tree_candidates=2)))
+    # A draft tree is greedy only: the config says what it uses, and the API reports that.
+    assert sampled.decode_config("sdsat").tree_candidates_used == sampled.settings()["tree_candidates"] == 0
 
 
 def test_limits_from_env():
@@ -187,7 +243,7 @@ def test_pieces_join_to_the_decoded_text(default_engine):
 
 # -- the race through the handlers ----------------------------------------------------------------------
 def test_greedy_race_is_identical_and_stats_add_up(page):
-    outs = list(page.run(**(GOOD | dict(max_new_tokens=12)), show_rejected=True))
+    outs = list(page.race(**(GOOD | dict(max_new_tokens=12)), show_rejected=True))
     final = dict(zip(RACE_OUTPUTS, outs[-1]))
     data, record = final["run_data"], final["record"]
     assert data["identical"] is True and data["vanilla"]["text"] == data["sdsat"]["text"]
@@ -208,7 +264,7 @@ def test_greedy_race_is_identical_and_stats_add_up(page):
 
 def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):
     prompt = "red, green, blue, red, green, blue, red, green, blue, red,"  # a pattern the model goes on with
-    outs = list(page.run(**(GOOD | dict(prompt=prompt, k=2, max_new_tokens=20)), lookup_tokens=6, show_rejected=True))
+    outs = list(page.race(**(GOOD | dict(prompt=prompt, k=2, max_new_tokens=20, lookup_tokens=6)), show_rejected=True))
     final = dict(zip(RACE_OUTPUTS, outs[-1]))
     data, record = final["run_data"], final["record"]
     assert data["identical"] is True and data["settings"]["lookup_tokens"] == 6
@@ -231,8 +287,8 @@ def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):
 
 
 def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
-    outs = list(page.run(**(GOOD | dict(prompt="class Point:\n", k=3, max_new_tokens=24)), tree_candidates=2,
-                         show_rejected=True))
+    outs = list(page.race(**(GOOD | dict(prompt="class Point:\n", k=3, max_new_tokens=24, tree_candidates=2)),
+                          show_rejected=True))
     final = dict(zip(RACE_OUTPUTS, outs[-1]))
     data, record = final["run_data"], final["record"]
     assert data["identical"] is True and data["settings"]["tree_candidates"] == 2
@@ -251,7 +307,7 @@ def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
 def test_markup_prompt_is_text_everywhere(page):
     prompt = '<script>alert("x")</script> & <b>bold</b>\n<html>\n<head>\n  <title>'
     final = dict(zip(RACE_OUTPUTS,
-                     list(page.run(**(GOOD | dict(prompt=prompt, max_new_tokens=8)), show_rejected=True))[-1]))
+                     list(page.race(**(GOOD | dict(prompt=prompt, max_new_tokens=8)), show_rejected=True))[-1]))
     for name in ("headline", "vanilla", "sdsat", "explorer"):
         parsed = parse_html(final[name])
         assert parsed.tags <= OUR_TAGS, (name, parsed.tags - OUR_TAGS)
@@ -259,7 +315,7 @@ def test_markup_prompt_is_text_everywhere(page):
 
 
 def test_sampling_race_runs_and_says_why_texts_differ(page):
-    outs = list(page.run(**(GOOD | dict(mode="sampling", temperature=0.8, top_p=0.9, top_k=20, seed=1,
+    outs = list(page.race(**(GOOD | dict(mode="sampling", temperature=0.8, top_p=0.9, top_k=20, seed=1,
                                         max_new_tokens=6)), show_rejected=False))
     final = dict(zip(RACE_OUTPUTS, outs[-1]))
     assert final["run_data"]["identical"] is None and "differ by design" in final["headline"]
@@ -267,12 +323,12 @@ def test_sampling_race_runs_and_says_why_texts_differ(page):
 
 def test_bad_input_gives_gr_error_naming_the_setting(page, default_engine):
     with pytest.raises(gr.Error,
-                       match=f"k \\(adaptive tokens per step\\) must be between 1 and {default_engine.max_k}"):
-        list(page.run(**(GOOD | dict(k=50)), show_rejected=False))
-    with pytest.raises(gr.Error, match="max new tokens must be between 1 and 24"):
-        list(page.run(**(GOOD | dict(max_new_tokens=25)), show_rejected=False))
+                       match=f"k \\(number of adaptive tokens\\) must be between 1 and {default_engine.max_k}, got 50"):
+        list(page.race(**(GOOD | dict(k=50)), show_rejected=False))
+    with pytest.raises(gr.Error, match="max_new_tokens must be between 1 and 24, got 25"):
+        list(page.race(**(GOOD | dict(max_new_tokens=25)), show_rejected=False))
     with pytest.raises(gr.Error, match="prompt must be at most 512 tokens"):
-        list(page.run(**(GOOD | dict(prompt="hello " * 600)), show_rejected=False))
+        list(page.race(**(GOOD | dict(prompt="hello " * 600)), show_rejected=False))
 
 
 def decoders() -> list[threading.Thread]:
@@ -280,7 +336,7 @@ def decoders() -> list[threading.Thread]:
 
 
 def test_closing_the_run_cancels_the_decoder_at_once(page):
-    run = page.run(**(GOOD | dict(max_new_tokens=24)), show_rejected=False)
+    run = page.race(**(GOOD | dict(max_new_tokens=24)), show_rejected=False)
     next(run)  # the first snapshot: vanilla is decoding
     run.close()  # what Gradio does on Stop or when the visitor leaves
     # The decoder stops at its next iteration boundary: one forward pass, seconds on a loaded 2-core CPU.
@@ -288,7 +344,7 @@ def test_closing_the_run_cancels_the_decoder_at_once(page):
     while decoders():
         assert time.monotonic() - start < 15
         time.sleep(0.01)
-    outs = list(page.run(**GOOD, show_rejected=False))  # the next request works
+    outs = list(page.race(**GOOD, show_rejected=False))  # the next request works
     assert dict(zip(RACE_OUTPUTS, outs[-1]))["run_data"]["identical"] is True
 
 
@@ -309,7 +365,7 @@ class SlowPasses:
 
 def test_closing_a_race_never_waits_for_the_decoder(default_engine):
     # Gradio closes the generator on its event loop: a join there stalls every visitor for a whole pass.
-    request = check_request(Limits(), 8, **(GOOD | dict(max_new_tokens=24)))
+    request = check_request(Limits(), 8, (GOOD | dict(max_new_tokens=24)))
     ids = default_engine.encode(request.prompt)
     snaps = race(SlowPasses(default_engine, 1.0), ids, request, time_limit_s=600, every=0.01)
     next(snaps)
@@ -318,14 +374,14 @@ def test_closing_a_race_never_waits_for_the_decoder(default_engine):
     assert time.monotonic() - start < 0.5
     assert decoders()  # still finishing its pass, in its own thread
     # The next race waits for it before decoding, so that two decoders never share the CPU.
-    snaps = race(default_engine, ids, check_request(Limits(), 8, **(GOOD | dict(max_new_tokens=2))), time_limit_s=600)
+    snaps = race(default_engine, ids, check_request(Limits(), 8, (GOOD | dict(max_new_tokens=2))), time_limit_s=600)
     first = next(snaps)
     assert [t.name for t in decoders()] in ([first.phase and f"sdsat-{first.phase}"], [])
     assert list(snaps)[-1].phase == "done"
 
 
 def test_a_cancelled_race_never_starts_its_sdsat_phase(default_engine):
-    request = check_request(Limits(), 8, **(GOOD | dict(max_new_tokens=24)))
+    request = check_request(Limits(), 8, (GOOD | dict(max_new_tokens=24)))
     ids = default_engine.encode(request.prompt)
     cancel = threading.Event()
     snaps = race(SlowPasses(default_engine, 0.2), ids, request, time_limit_s=600, cancel=cancel, every=0.01)
@@ -341,21 +397,21 @@ def test_generate_cancelled_raises_instead_of_racing_on(page):
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(gr.Error, match="cancelled"):
-        page.generate_sync(**GOOD, cancel=cancel)
+        page.generate_sync(GOOD, cancel=cancel)
 
 
 def test_errors_never_show_server_paths(page, default_engine, tmp_path, monkeypatch):
     missing = str(tmp_path / "no-such-model")
     broken = Page(Limits(models=[missing]))
     with pytest.raises(gr.Error) as raised:
-        list(broken.run(**(GOOD | dict(model=missing)), show_rejected=False))
+        list(broken.race(**(GOOD | dict(model=missing)), show_rejected=False))
     assert ("could not be loaded" in raised.value.message
             and str(tmp_path) not in raised.value.message.replace(missing, ""))
     # A ValueError from deeper down is not an invalid setting: the visitor gets a message, the log the details.
     monkeypatch.setattr(default_engine, "encode",
                         lambda *a, **k: (_ for _ in ()).throw(ValueError("/srv/secret/x.json")))
     with pytest.raises(gr.Error) as raised:
-        list(page.run(**GOOD, show_rejected=False))
+        list(page.race(**GOOD, show_rejected=False))
     assert "/srv/secret" not in raised.value.message and raised.value.title == "Server error"
 
 
@@ -363,7 +419,7 @@ def test_page_events_parse_their_inputs_strictly(page):
     with pytest.raises(gr.Error, match="show rejected drafts must be true or false"):
         page.sdsat_pane(None, "0")
     with pytest.raises(gr.Error, match="show rejected drafts must be true or false"):
-        next(page.run(**GOOD, show_rejected={"x": 0}))
+        next(page.race(**GOOD, show_rejected={"x": 0}))
     with pytest.raises(gr.Error, match="iteration must be a whole number between 1 and 100000"):
         page.explore(None, "abc")
     with pytest.raises(gr.Error, match="iteration must be"):
@@ -373,7 +429,7 @@ def test_page_events_parse_their_inputs_strictly(page):
 
 
 def test_time_limit_stops_each_decoder(page, default_engine):
-    request = check_request(page.limits, 8, **(GOOD | dict(max_new_tokens=24)))
+    request = check_request(page.limits, 8, (GOOD | dict(max_new_tokens=24)))
     ids = default_engine.encode(request.prompt)
     snaps = list(race(default_engine, ids, request, time_limit_s=0.02))
     record = make_record(default_engine, request, ids, snaps[-1])

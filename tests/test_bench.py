@@ -21,7 +21,7 @@ from sdsat.bench.figures import build_figures, write_figures
 from sdsat.bench.humaneval import check_completion, truncate_completion
 from sdsat.bench.methods import GREEDY_METHODS, Variant, plan_variants
 from sdsat.bench.prompts import PromptFileError, file_prompts, humaneval_prompts, parse_subset
-from sdsat.bench.runner import BenchConfig, encode_prompts, iterate_runs, run_to_dict
+from sdsat.bench.runner import BenchConfig, encode_prompts, measure_all
 from sdsat.bench.stats import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,8 @@ PERF_TOKENS = 48
 
 RUN_FIELDS = {"prompt_index", "repeat", "method", "k", "temperature", "seed", "new_tokens", "token_ids", "text",
               "seconds", "tokens_per_second", "forward_passes", "stop_reason", "tokens_per_iteration",
-              "drafted_per_iteration", "accepted_per_iteration"}
+              "drafted_per_iteration", "accepted_per_iteration", "scheme", "passes_per_iteration",
+              "kinds_per_iteration"}
 
 
 @pytest.fixture(scope="module")
@@ -227,14 +228,17 @@ def test_plan_variants_rejects_bad_settings():
     assert variants == [Variant("vanilla"), Variant("sdsat_sample", 3, 0.2), Variant("sdsat_sample", 3, 1.0)]
     # Trees are greedy only: sampling runs the tree schemes as their chains, once.
     variants = plan_variants(["sdsat_greedy", "sdsat_sample"], [2], 3, [1.0], 10, max_k=8,
-                             schemes=("tree", "two_step", "lookup_tree"))
-    assert [(v.method, v.scheme) for v in variants] == [
+                             recipes=("tree", "two_step", "lookup_tree"))
+    assert [(v.method, v.recipe) for v in variants] == [
         ("sdsat_greedy", "tree"), ("sdsat_greedy", "two_step"), ("sdsat_greedy", "lookup_tree"),
         ("sdsat_sample", "two_step"), ("sdsat_sample", "lookup")]
-    with pytest.raises(ValueError, match="--tree-candidates must be between 1 and 8 for the tree schemes, got 0"):
-        plan_variants(["sdsat_greedy"], [2], 3, [1.0], 10, max_k=8, schemes=("lookup_tree",), tree_candidates=0)
+    with pytest.raises(ValueError, match="--tree-candidates must be between 1 and 8 for the tree recipes "
+                                         r"\(--schemes tree, lookup_tree\), got 0"):
+        plan_variants(["sdsat_greedy"], [2], 3, [1.0], 10, max_k=8, recipes=("lookup_tree",), tree_candidates=0)
     with pytest.raises(ValueError, match="unknown methods"):
         plan_variants(["medusa"], [1], 1, [1.0], 10, max_k=8)
+    with pytest.raises(ValueError, match=r"--temperatures: temperature must be in \[0.01, 5.0\], got 6.0"):
+        plan_variants(["sdsat_sample"], [1], 1, [1.0, 6.0], 10, max_k=8)
     with pytest.raises(ValueError, match="outside 1..8"):
         plan_variants(["sdsat_greedy"], [9], 1, [1.0], 10, max_k=8)
 
@@ -275,9 +279,9 @@ def test_performance_floor_on_shipped_adapter(default_engine):
     config = BenchConfig(max_new_tokens=PERF_TOKENS, warmup_tokens=0)
     k = min(PERF_K, default_engine.max_k)
     variants = [Variant("vanilla"), Variant("sdsat_greedy", k=k), Variant("sdsat_greedy", k=3),
-                Variant("sdsat_greedy", k=3, scheme="tree")]
-    runs = [run_to_dict(r)
-            for r in iterate_runs(default_engine, variants, encode_prompts(default_engine, prompts), config)]
+                Variant("sdsat_greedy", k=3, recipe="tree")]
+    prompt_ids = encode_prompts(default_engine, prompts)
+    runs = [m.to_dict() for m in measure_all(default_engine, variants, prompt_ids, config)]
     summary = summarize(runs)
     assert summary["all_greedy_identical"], summary["greedy_mismatches"]
     rows = {(r["k"], r["scheme"]): r for r in summary["variants"] if r["method"] == "sdsat_greedy"}

@@ -10,11 +10,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from sdsat.checkpoints import known_checkpoint
-from sdsat.decoding import DecodeConfig, run
+from sdsat.decoding import DecodeConfig, collect
 from sdsat.engine import Engine
 from sdsat.models import LoadConfig, resolve_dtype
 from sdsat.ui.handlers import Page
-from sdsat.ui.settings import Limits
+from sdsat.ui.settings import REQUEST_INPUTS, Limits
 
 SAT_ID = 32011  # the paper's checkpoints' SAT: a vocabulary row past the tokenizer's 32000 ids
 WORDS = "def return if else for in range a b c x y n + - * = ( ) : , 0 1 2".split()
@@ -69,9 +69,9 @@ def test_a_folder_like_the_papers_checkpoint_gets_its_sats_from_the_table(checkp
     assert not engine.chat_available
     ids = engine.encode("def add ( a , b ) :")
     assert ids[0] == BOS and ids.count(BOS) == 1  # the tokenizer's BOS, once
-    vanilla = run(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=24)))
+    vanilla = collect(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=24)))
     for k in (1, 15):
-        sdsat = run(engine.stream(ids, DecodeConfig(method="sdsat", k=k, max_new_tokens=24)))
+        sdsat = collect(engine.stream(ids, DecodeConfig(method="sdsat", k=k, max_new_tokens=24)))
         assert sdsat.token_ids == vanilla.token_ids
         assert all(len(step.drafts) == k for step in sdsat.steps if step.draft_source == "sat")
 
@@ -87,5 +87,6 @@ def test_the_page_races_a_known_checkpoint_and_hides_chat(checkpoint: Path):
     page = Page(Limits(models=[str(checkpoint)]))
     k_slider, chat_box, chat_examples = page.model_controls(str(checkpoint))
     assert k_slider["maximum"] == 15 and chat_box["visible"] is False and chat_examples["visible"] is False
-    result = page.generate_sync("def add ( a , b ) :", str(checkpoint), False, "greedy", 15, 16, 1.0, 1.0, 0, 0)
+    request = ("def add ( a , b ) :", str(checkpoint), False, "greedy", 15, 16, 1.0, 1.0, 0, 0, 0, 0)
+    result = page.generate_sync(dict(zip(REQUEST_INPUTS, request)))
     assert result["identical"] is True and result["sdsat"]["token_ids"] == result["vanilla"]["token_ids"]

@@ -89,10 +89,10 @@ def test_k_out_of_range_is_one_line_naming_k_and_the_range():
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "prompt must be a non-empty string"),
-    (["--prompt", PROMPT, "--temperature", "0"], "temperature must be at least 0.01 when sampling, got 0.0"),
+    (["--prompt", PROMPT, "--temperature", "0"], "temperature must be in [0.01, 5.0], got 0.0"),
     # a tiny temperature overflows logits / T into NaN probabilities: refused, not a traceback
-    (["--prompt", PROMPT, "--temperature", "1e-40"], "temperature must be at least 0.01 when sampling, got 1e-40"),
-    (["--prompt", PROMPT, "--temperature", "5e-324"], "temperature must be at least 0.01 when sampling"),
+    (["--prompt", PROMPT, "--temperature", "1e-40"], "temperature must be in [0.01, 5.0], got 1e-40"),
+    (["--prompt", PROMPT, "--temperature", "5e-324"], "temperature must be in [0.01, 5.0]"),
     (["--prompt", PROMPT, "--model", "/no/such/model"], "no such folder"),
 ])
 def test_bad_settings_fail_before_loading_with_one_line(args: list[str], message: str):

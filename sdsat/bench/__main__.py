@@ -22,25 +22,18 @@ DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures
                 warmup_tokens=16)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _add_method_options(parser: argparse.ArgumentParser) -> None:
+    """What races, and each method's settings."""
     from .methods import METHODS
 
-    parser = argparse.ArgumentParser(prog="python -m sdsat.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_argument_group("prompts")
-    source.add_argument("--prompts", metavar="FILE", help='JSON lines {"prompt": ..., "kind": "completion"|"chat"}; '
-                        "default: HumanEval")
-    source.add_argument("--subset", metavar="SPEC",
-                        help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive; default: all)')
-    source.add_argument("--limit", type=int, metavar="N",
-                        help="at most N prompts, after --subset (default: all; 3 with --quick)")
     what = parser.add_argument_group("methods")
     what.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
                       help=f"any of {', '.join(METHODS)} (default: all)")
     what.add_argument("--k", nargs="+", type=int, metavar="K",
                       help="sdsat_greedy's k sweep, drafts per step (default: 1..the SATs' max k; 1 2 4 with --quick)")
-    what.add_argument("--schemes", nargs="+", default=["two_step"], metavar="SCHEME",
-                      help="SDSAT schemes to race: two_step (the paper), fused, lookup (two_step with "
+    what.add_argument("--schemes", nargs="+", default=["two_step"], metavar="RECIPE",
+                      help="SDSAT recipes to race (a decoding scheme with prompt lookup and the draft tree on or off): "
+                           "two_step (the paper), fused, lookup (two_step with "
                            "prompt lookup's copies, --lookup-tokens of them, verified when found), tree (two_step "
                            "whose verify pass also checks --tree-candidates of the SATs' runner-ups; greedy only) "
                            "and/or lookup_tree (both) (default two_step)")
@@ -52,12 +45,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="nucleus for sampling: probability mass kept, in (0, 1] (default 1: off)")
     what.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed base (default 0)")
     what.add_argument("--lookup-tokens", type=int, default=10, metavar="N",
-                      help="tokens copied per lookup: prompt_lookup_num_tokens and the lookup schemes' (default 10)")
+                      help="tokens copied per lookup: prompt_lookup_num_tokens and the lookup recipes' (default 10)")
     what.add_argument("--lookup-ngram", type=int, default=2, metavar="N",
                       help="prompt lookup's max_matching_ngram_size, and the shortest recurring suffix "
-                           "(lookup_ngram) after which the lookup scheme copies, in tokens (default 2)")
+                           "(lookup_ngram) after which the lookup recipes copy, in tokens (default 2)")
     what.add_argument("--tree-candidates", type=int, default=2, metavar="N",
-                      help="the tree schemes' runner-up candidates per verify pass, 1..8 (default 2)")
+                      help="the tree recipes' runner-up candidates per verify pass, 1..8 (default 2)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m sdsat.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_argument_group("prompts")
+    source.add_argument("--prompts", metavar="FILE", help='JSON lines {"prompt": ..., "kind": "completion"|"chat"}; '
+                        "default: HumanEval")
+    source.add_argument("--subset", metavar="SPEC",
+                        help='which prompts, e.g. "0-19,42" or "HumanEval/7" (ranges inclusive; default: all)')
+    source.add_argument("--limit", type=int, metavar="N",
+                        help="at most N prompts, after --subset (default: all; 3 with --quick)")
+    _add_method_options(parser)
     how = parser.add_argument_group("measurement")
     how.add_argument("--max-new-tokens", type=int, metavar="N",
                      help="new tokens per generation (default 256; 32 with --quick)")
@@ -232,7 +238,7 @@ def _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path: P
     from tqdm import tqdm
 
     from .report import build_payload, write_json
-    from .runner import iterate_runs, run_to_dict, warm_up
+    from .runner import measure_all, warm_up
 
     runs: list[dict] = []
     try:
@@ -243,11 +249,11 @@ def _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path: P
         total = len(prompts) * config.repeats * len(variants)
         with tqdm(total=total, desc="bench", unit="run", **bar_options) as bar:
             per_prompt = config.repeats * len(variants)
-            for run in iterate_runs(engine, variants, prompt_ids, config):
-                runs.append(run_to_dict(run))
+            for measurement in measure_all(engine, variants, prompt_ids, config):
+                runs.append(measurement.to_dict())
                 bar.update()
-                bar.set_postfix_str(f"prompt {run.prompt_index + 1}/{len(prompts)} {run.method} "
-                                    f"{run.tokens_per_second:.1f} tok/s")
+                bar.set_postfix_str(f"prompt {measurement.prompt_index + 1}/{len(prompts)} {measurement.method} "
+                                    f"{measurement.tokens_per_second:.1f} tok/s")
                 if len(runs) % per_prompt == 0:  # a prompt is done: save what we have
                     write_json(build_payload(meta, prompts, runs), json_path)
     except KeyboardInterrupt:

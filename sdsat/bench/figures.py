@@ -11,7 +11,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from .methods import BENCH_SCHEMES, label_of
+from .methods import RECIPES, label_of
 from .stats import variant_key
 
 _LAYOUT = dict(template="plotly_white", width=900, height=520, margin=dict(l=70, r=30, t=90, b=60))
@@ -37,14 +37,14 @@ def speedup_vs_k(payload: dict) -> go.Figure:
     """Median speed-up over vanilla against k for SDSAT; the other methods as horizontal lines."""
     rows = payload["summary"]["variants"]
     fig = go.Figure()
-    for scheme in BENCH_SCHEMES:
-        greedy = sorted((r for r in rows if r["method"] == "sdsat_greedy" and r.get("scheme", "two_step") == scheme),
+    for recipe in RECIPES:
+        greedy = sorted((r for r in rows if r["method"] == "sdsat_greedy" and r.get("scheme", "two_step") == recipe),
                         key=lambda r: r["k"])
         if not greedy:
             continue
         fig.add_trace(go.Scatter(
             x=[r["k"] for r in greedy], y=[r["median_speedup"] for r in greedy], mode="lines+markers",
-            name=label_of("sdsat_greedy", 0, None, scheme),
+            name=label_of("sdsat_greedy", 0, None, recipe),
             customdata=[[r["tokens_per_forward_pass"], r["mean_tokens_per_iteration"]] for r in greedy],
             hovertemplate="k=%{x}<br>speed-up %{y:.2f}×<br>tokens/forward pass %{customdata[0]:.2f}"
                           "<br>tokens/iteration %{customdata[1]:.2f}<extra></extra>"))

@@ -11,7 +11,7 @@ import datetime
 import os
 import platform
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +21,7 @@ from ..cpu_kernels import installed_plan
 from ..hardware import describe
 from ..engine import Engine
 from .humaneval import check_completion
-from .methods import GREEDY_METHODS, METHODS, Run, Variant, label_of, run_variant
+from .methods import GREEDY_METHODS, METHODS, Measurement, Variant, label_of, measure
 from .prompts import BenchPrompt
 
 
@@ -40,7 +40,7 @@ class BenchConfig:
     warmup_tokens: int = 16  # each variant generates this many tokens once before timing; 0 skips
     lookup_tokens: int = 10  # prompt_lookup: prompt_lookup_num_tokens (drafts per step)
     lookup_ngram: int = 2  # prompt_lookup: max_matching_ngram_size
-    tree_candidates: int = 2  # the tree schemes: runner-up candidates verified beside the k drafts
+    tree_candidates: int = 2  # the tree recipes: runner-up candidates verified beside the k drafts
 
     def seed_for(self, prompt_index: int, repeat: int) -> int:
         return self.seed + 1000 * prompt_index + repeat
@@ -81,24 +81,23 @@ def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], conf
     if config.warmup_tokens <= 0:
         return
     for variant in variants:
-        run_variant(engine, variant, prompt_ids, config.warmup_tokens, seed=config.seed, top_p=config.top_p,
-                    lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
-                    tree_candidates=config.tree_candidates)
+        measure(engine, variant, prompt_ids, config.warmup_tokens, seed=config.seed, top_p=config.top_p,
+                lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
+                tree_candidates=config.tree_candidates)
         yield variant
 
 
-def iterate_runs(engine: Engine, variants: list[Variant], prompt_ids: list[list[int]],
-                 config: BenchConfig) -> Iterator[Run]:
-    """Every variant on every prompt, `repeats` times; yields each run as it completes."""
+def measure_all(engine: Engine, variants: list[Variant], prompt_ids: list[list[int]],
+                config: BenchConfig) -> Iterator[Measurement]:
+    """Every variant on every prompt, `repeats` times; yields each measurement as it completes."""
     for index, ids in enumerate(prompt_ids):
         shift = index % len(variants)
         order = variants[shift:] + variants[:shift]
         for repeat in range(config.repeats):
             for variant in order:
-                yield run_variant(engine, variant, ids, config.max_new_tokens, seed=config.seed_for(index, repeat),
-                                  top_p=config.top_p, lookup_ngram=config.lookup_ngram,
-                                  lookup_tokens=config.lookup_tokens, tree_candidates=config.tree_candidates,
-                                  prompt_index=index, repeat=repeat)
+                yield measure(engine, variant, ids, config.max_new_tokens, seed=config.seed_for(index, repeat),
+                              top_p=config.top_p, lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
+                              tree_candidates=config.tree_candidates, prompt_index=index, repeat=repeat)
 
 
 def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float = 10.0) -> dict:
@@ -165,7 +164,3 @@ def git_commit() -> str | None:
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def run_to_dict(run: Run) -> dict:
-    return asdict(run)

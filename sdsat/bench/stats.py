@@ -25,6 +25,7 @@ from .methods import GREEDY_METHODS, METHODS, label_of
 
 
 def variant_key(run: dict) -> tuple:
+    """(method, k, temperature, recipe) of a JSON run record, which names the recipe "scheme"."""
     return (run["method"], run["k"], run["temperature"], run.get("scheme", "two_step"))
 
 
@@ -84,8 +85,8 @@ def summarize(runs: list[dict]) -> dict:
         reference.setdefault(run["prompt_index"], run["token_ids"])
     rows, mismatches = [], []
     order = sorted(groups, key=lambda key: (METHODS.index(key[0]), key[3], key[1], key[2] or 0.0))
-    for method, k, temperature, scheme in order:
-        group = groups[(method, k, temperature, scheme)]
+    for method, k, temperature, recipe in order:
+        group = groups[(method, k, temperature, recipe)]
         tps = _per_prompt_tps(group)
         speedups = _speedups(tps, vanilla_tps)
         tokens = sum(r["new_tokens"] for r in group)
@@ -96,8 +97,8 @@ def summarize(runs: list[dict]) -> dict:
         shared = set(tps) & set(vanilla_tps)
         mine, base = _throughput(group, shared), _throughput(groups.get(vanilla_key, []), shared)
         row = {
-            "label": label_of(method, k, temperature, scheme), "method": method, "k": k, "temperature": temperature,
-            "scheme": scheme,
+            "label": label_of(method, k, temperature, recipe), "method": method, "k": k, "temperature": temperature,
+            "scheme": recipe,
             "runs": len(group), "prompts": len(tps), "new_tokens": tokens, "forward_passes": passes,
             "median_tokens_per_second": statistics.median(tps.values()),
             "median_speedup": statistics.median(speedups) if speedups else None,

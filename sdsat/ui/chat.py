@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import anyio.to_thread
 import gradio as gr
@@ -25,7 +25,8 @@ from .presets import SCHEMES, scheme_settings
 from .race import race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html
-from .settings import Limits, RunRequest, SettingError, check_flag, check_prompt_ids, check_request
+from .settings import (Limits, RunRequest, SettingError, check_flag, check_prompt_ids, parse_request,
+                       request_inputs)
 
 ROLES = ("system", "user", "assistant")
 HISTORY_CHARS = 4  # the API's history is cut to this many times the prompt's character limit before tokenizing
@@ -131,7 +132,7 @@ def left_out_notice(left_out: int, request: RunRequest, prompt_tokens: int) -> s
     if not left_out:
         return ""
     return (f"{left_out} earlier message{'s' if left_out != 1 else ''} left out: the conversation must fit the "
-            f"prompt limit with room for {request.max_new_tokens} new tokens "
+            f"prompt limit with room for {request.config.max_new_tokens} new tokens "
             f"(this turn's prompt: {prompt_tokens} tokens).")
 
 
@@ -226,19 +227,16 @@ class Chat:
             raise SettingError(f"the model {model!r} could not be loaded: {without_paths(str(err))}. The next "
                                "request tries again") from err
 
-    def start_turn(self, message, history: list[dict], model, mode, k, max_new_tokens, temperature, top_p, top_k,
-                   seed, lookup_tokens, tree_candidates) -> ChatTurn:
-        """Check the settings and fit the conversation: a turn ready to decode. Raises SettingError."""
-        settings = dict(prompt=message, model=model, chat=True, mode=mode, k=k, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, lookup_tokens=lookup_tokens,
-                        tree_candidates=tree_candidates)
-        check_request(self.limits, None, **settings)
-        engine = self._engine(model)
-        request = check_request(self.limits, engine.max_k, **settings)
+    def start_turn(self, inputs: Mapping, history: list[dict]) -> ChatTurn:
+        """Check the settings (REQUEST_INPUTS by name, the message as the prompt) and fit the conversation:
+        a turn ready to decode. Raises SettingError."""
+        request = parse_request(self.limits, inputs)
+        engine = self._engine(request.model)
+        request.validate(self.limits, engine.max_k)
         context = max_context(engine)
         budget = self.limits.max_prompt_tokens
-        if context is not None:
-            budget = min(budget, context - (request.max_new_tokens + request.k + 1))
+        if context is not None:  # the decoder's own rule: room for the new tokens and the draft positions
+            budget = min(budget, request.config.prompt_room(context))
         kept = _cut_by_chars(history, HISTORY_CHARS * self.limits.max_prompt_chars)
         try:
             prompt_ids, dropped = fit_conversation(engine.tokenizer, kept, request.prompt, budget)
@@ -294,10 +292,10 @@ class Chat:
     def _reply(self, message, turns, model, scheme, mode, temperature, max_new_tokens, runs, clear_box):
         box = "" if clear_box else gr.skip()
         try:
-            preset = scheme_settings(scheme)
-            check_message(message)
-            turn = self.start_turn(message, history_of(turns), model, mode, preset["k"], max_new_tokens, temperature,
-                                   CHAT_TOP_P, CHAT_TOP_K, runs - 1, preset["lookup_tokens"], preset["tree_candidates"])
+            inputs = dict(prompt=check_message(message), model=model, chat=True, mode=mode,
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=CHAT_TOP_P, top_k=CHAT_TOP_K,
+                          seed=runs - 1) | scheme_settings(scheme)
+            turn = self.start_turn(inputs, history_of(turns))
         except SettingError as err:
             raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         turn.runs = runs
@@ -353,22 +351,23 @@ class Chat:
         (`left_out_messages` says how many). With `check_vanilla`, vanilla decodes the same prompt
         afterwards and `identical` says whether greedy SDSAT gave the same token ids.
         """
+        # the parameters above, spelled out for Gradio's API schema; the message is the prompt
+        inputs = request_inputs(locals()) | {"prompt": message, "chat": True}
         cancel = threading.Event()
         try:
-            return await anyio.to_thread.run_sync(self.turn_on_gpu, message, history, model, mode, k, max_new_tokens,
-                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates,
-                                                  check_vanilla, *zerogpu.cancel_args(cancel), abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(self.turn_on_gpu, inputs, history, check_vanilla,
+                                                  *zerogpu.cancel_args(cancel), abandon_on_cancel=True)
         finally:
             cancel.set()
 
-    def turn_sync(self, message, history, model, mode, k, max_new_tokens, temperature, top_p, top_k, seed,
-                  lookup_tokens, tree_candidates, check_vanilla=False, cancel: threading.Event | None = None) -> dict:
+    def turn_sync(self, inputs: Mapping, history, check_vanilla=False, cancel: threading.Event | None = None) -> dict:
+        """`turn` in the calling thread, its settings by name (REQUEST_INPUTS); setting `cancel` stops it."""
         cancel = cancel or threading.Event()
         try:
-            check_message(message)
+            check_message(inputs["prompt"])
             check_vanilla = check_flag("check_vanilla", check_vanilla)
-            turn = self.start_turn(message, check_history(history), model or self.limits.models[0], mode, k,
-                                   max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens, tree_candidates)
+            inputs = {**inputs, "model": inputs["model"] or self.limits.models[0]}
+            turn = self.start_turn(inputs, check_history(history))
         except SettingError as err:
             raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         for turn in self.decode(turn, cancel):

@@ -12,7 +12,7 @@ import inspect
 import logging
 import re
 import threading
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import anyio.to_thread
 import gradio as gr
@@ -24,11 +24,17 @@ from .headline import headline_html, progress_html
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html, vanilla_html, waiting_html
-from .settings import Limits, SettingError, check_flag, check_iteration, check_prompt_ids, check_request
+from .settings import (Limits, SettingError, check_flag, check_iteration, check_prompt_ids, parse_request,
+                       request_inputs)
 
 log = logging.getLogger(__name__)
 
-# The race's outputs, in the order `Page.run` yields them (app.py lists its components in this order).
+# /race's inputs, in order: the parameters of `Page.race` (Gradio names the API's inputs after them), and
+# app.py lists its components in this order. show_rejected comes before lookup_tokens and tree_candidates
+# because those two came later: /race callers that send only the earlier inputs keep working.
+RACE_INPUTS = ("prompt", "model", "chat", "mode", "k", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+               "show_rejected", "lookup_tokens", "tree_candidates")
+# The race's outputs, in the order `Page.race` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
                 "explorer_slider", "explorer", "record", "run_data")
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
@@ -91,7 +97,7 @@ class Page:
         self.limits = limits
         self.cache = cache or EngineCache(limits)
         # The GPU work of /race and /generate, booked per call on ZeroGPU (the plain methods elsewhere).
-        self.run_on_gpu = zerogpu.gpu(self.run, limits.gpu_duration_s)
+        self.race_on_gpu = zerogpu.gpu(self.race, limits.gpu_duration_s)
         self.generate_on_gpu = zerogpu.gpu(self.generate_sync, limits.gpu_duration_s)
 
     def preload(self) -> None:
@@ -139,18 +145,15 @@ class Page:
                                 'The next race tries again.</div>') if failure else gr.skip())
         return gr.skip(), gr.skip(), gr.skip(), note
 
-    def prepare(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, lookup_tokens=0,
-                tree_candidates=0):
-        """Check the settings, load the model, encode the prompt: (engine, request, prompt_ids)."""
-        settings = dict(prompt=prompt, model=model, chat=chat, mode=mode, k=k, max_new_tokens=max_new_tokens,
-                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, lookup_tokens=lookup_tokens,
-                        tree_candidates=tree_candidates)
+    def prepare(self, inputs: Mapping) -> tuple:
+        """Parse the request, load the model, check the settings once, encode the prompt:
+        (engine, request, prompt_ids)."""
         try:
-            check_request(self.limits, None, **settings)
-            engine = self._engine(model)
-            request = check_request(self.limits, engine.max_k, **settings)
+            request = parse_request(self.limits, inputs)
+            engine = self._engine(request.model)
+            request.validate(self.limits, engine.max_k)
             if request.chat and not getattr(engine.tokenizer, "chat_template", None):
-                raise SettingError(f"chat must be false for {model}: this model has no chat template")
+                raise SettingError(f"chat must be false for {request.model}: this model has no chat template")
             prompt_ids = engine.encode(request.prompt, chat=request.chat)
             check_prompt_ids(self.limits, prompt_ids, request, max_context(engine))
         except SettingError as err:  # only our own messages: a ValueError from deeper down may name server paths
@@ -159,16 +162,19 @@ class Page:
 
     # -- the race ------------------------------------------------------------------------------
     @visitor_errors
-    def run(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed, show_rejected=False,
-            lookup_tokens=0, tree_candidates=0) -> Iterator[tuple]:
-        """Race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order."""
+    def race(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed,
+             show_rejected=False, lookup_tokens=0, tree_candidates=0) -> Iterator[tuple]:
+        """/race: race vanilla against SDSAT and stream the page; yields tuples in RACE_OUTPUTS order.
+
+        The parameters are /race's inputs, in RACE_INPUTS order (Gradio passes the components so).
+        """
+        inputs = request_inputs(locals())
         skip = gr.skip()
         show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if not self.cache.is_loaded(model) and model in self.limits.models:
             yield (progress_html(None, f"Loading {model}… (first start of a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
-        engine, request, prompt_ids = self.prepare(prompt, model, chat, mode, k, max_new_tokens, temperature, top_p,
-                                                    top_k, seed, lookup_tokens, tree_candidates)
+        engine, request, prompt_ids = self.prepare(inputs)
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
         cancel = threading.Event()
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -241,22 +247,20 @@ class Page:
         also verify that many of the SATs' runner-up candidates (a draft tree). Greedy runs report whether the two
         outputs were identical; every decoder stops at the operator's limits.
         """
+        inputs = request_inputs(locals())  # the parameters above, spelled out for Gradio's API schema
         cancel = threading.Event()
         try:
             # A cancelled call stops waiting at once and sets `cancel`, so the decoder stops at its next
             # iteration instead of running on for nobody.
-            return await anyio.to_thread.run_sync(self.generate_on_gpu, prompt, model, chat, mode, k, max_new_tokens,
-                                                  temperature, top_p, top_k, seed, lookup_tokens, tree_candidates,
-                                                  *zerogpu.cancel_args(cancel), abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(self.generate_on_gpu, inputs, *zerogpu.cancel_args(cancel),
+                                                  abandon_on_cancel=True)
         finally:
             cancel.set()
 
-    def generate_sync(self, prompt, model, chat, mode, k, max_new_tokens, temperature, top_p, top_k, seed,
-                      lookup_tokens=0, tree_candidates=0, cancel: threading.Event | None = None) -> dict:
-        """`generate` in the calling thread; setting `cancel` stops it between two iterations."""
-        model = model or self.limits.models[0]
-        engine, request, prompt_ids = self.prepare(prompt, model, chat, mode, k, max_new_tokens, temperature, top_p,
-                                                    top_k, seed, lookup_tokens, tree_candidates)
+    def generate_sync(self, inputs: Mapping, cancel: threading.Event | None = None) -> dict:
+        """`generate` in the calling thread, its inputs by name (REQUEST_INPUTS); setting `cancel` stops it
+        between two iterations."""
+        engine, request, prompt_ids = self.prepare({**inputs, "model": inputs["model"] or self.limits.models[0]})
         cancel = cancel or threading.Event()
         snap = None
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -283,4 +287,4 @@ def _checked(check, *args):
         raise invalid(err) from None
 
 
-__all__ = ["Page", "RACE_OUTPUTS"]
+__all__ = ["Page", "RACE_INPUTS", "RACE_OUTPUTS"]

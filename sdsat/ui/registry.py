@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 
-from ..decoding import DecodeConfig, run
+from ..decoding import DecodeConfig, collect
 from ..engine import Engine
 from ..errors import first_line
 from ..models import LoadConfig, ModelLoadError
@@ -94,7 +94,7 @@ def _warm_up(engine: Engine) -> None:
     """A few tokens of each decoder, so the first visitor's race does not time allocator warm-up."""
     ids = engine.encode("def add(a, b):")
     for method in ("vanilla", "sdsat"):
-        run(engine.stream(ids, DecodeConfig(method=method, k=min(4, engine.max_k), max_new_tokens=6)))
+        collect(engine.stream(ids, DecodeConfig(method=method, k=min(4, engine.max_k), max_new_tokens=6)))
 
 
 def max_context(engine: Engine) -> int | None:

@@ -1,25 +1,25 @@
-"""What the page may do: operator limits from the environment, and visitor settings checked against them.
+"""What the page may do: operator limits from the environment, and a visitor's request parsed into one object.
 
-The operator sets limits with environment variables (read once at start-up); a visitor's settings
-are checked here before anything touches the model, and a bad one raises `SettingError` naming the
-setting and its allowed range.
+The operator sets limits with environment variables (read once at start-up). A visitor's request is
+parsed here into a `RunRequest` holding a `DecodeConfig`; the page checks only what it alone knows
+(the operator's models, the prompt), and `DecodeConfig.validate` checks every decoder setting once the
+model is loaded. A bad setting raises `SettingError` naming the setting and its allowed range.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from ..decoding import MAX_LOOKUP_TOKENS, MAX_TREE_CANDIDATES, DecodeConfig
+from ..config import DecodeConfig
+from ..errors import check_whole, shown
 from ..models import DEFAULT_MODEL
-from ..sampling import MIN_TEMPERATURE, SamplingConfig
+from ..prompts import check_unicode
+from ..sampling import MAX_SEED, SamplingConfig
 
 MODES = ("greedy", "sampling")
-MAX_SEED = 2**31 - 1
-MAX_TEMPERATURE = 5.0
-MAX_TOP_K = 1000
 QUANTIZATIONS = ("none", "4bit", "8bit")
 MAX_ITERATIONS = 100_000  # the explorer's slider: far above any race's iterations
 
@@ -91,68 +91,81 @@ class Limits:
         return limits
 
 
+# A visitor's request, by name: the parameters of /generate (Page.generate spells them out, for Gradio reads
+# the API's schema from its signature) and of the Chat tab's turns, whose message is the prompt.
+REQUEST_INPUTS = ("prompt", "model", "chat", "mode", "k", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+                  "lookup_tokens", "tree_candidates")
+
+
+def request_inputs(values: Mapping) -> dict:
+    """The REQUEST_INPUTS in `values` (an API handler's `locals()`), by name."""
+    return {name: values[name] for name in REQUEST_INPUTS if name in values}
+
+
 @dataclass
 class RunRequest:
-    """One visitor request, after checking: the prompt and both decoders' configs."""
+    """One visitor request: what only the page checks, and the SDSAT decoder's config (vanilla's is derived).
+
+    `parse_request` builds it before the model is loaded; `validate` checks every decoder setting once it is.
+    """
 
     prompt: str
-    model: str
-    chat: bool
-    mode: str  # "greedy" or "sampling"
-    k: int
-    max_new_tokens: int
-    sampling: SamplingConfig
-    lookup_tokens: int = 0  # SDSAT verifies up to this many prompt-lookup copies where the text recurs; 0: off
-    tree_candidates: int = 0  # greedy SDSAT also verifies this many of the SATs' runner-ups (a draft tree); 0: off
+    model: str  # one of the operator's models
+    chat: bool  # the prompt goes through the model's chat template
+    config: DecodeConfig  # SDSAT's; its sampling holds the visitor's values even when greedy (do_sample off)
+
+    @property
+    def mode(self) -> str:
+        return "sampling" if self.config.sampling.do_sample else "greedy"
+
+    def validate(self, limits: Limits, max_k: int) -> None:
+        """Every decoder setting against its range (DecodeConfig.validate, the only home of the ranges);
+        raises SettingError naming the first bad one. Every setting is checked whatever the mode, so a
+        value the request ignores (the temperature of a greedy run) is still refused when it is not valid."""
+        try:
+            self.config.validate(max_k, max_new_tokens_limit=limits.max_new_tokens)
+            replace(self.config.sampling, do_sample=True).validate()
+        except ValueError as err:
+            raise SettingError(str(err)) from None
 
     def decode_config(self, method: str) -> DecodeConfig:
         # Each decoder gets its own SamplingConfig: the engine seeds a generator from it per request.
-        sampling = SamplingConfig(**vars(self.sampling))
-        return DecodeConfig(method=method, k=self.k, max_new_tokens=self.max_new_tokens, sampling=sampling,
-                            lookup_tokens=self.lookup_tokens if method == "sdsat" else 0,
-                            tree_candidates=self.tree_candidates if method == "sdsat" else 0)
+        config = replace(self.config, sampling=replace(self.config.sampling))
+        return config if method == "sdsat" else replace(config, method=method, lookup_tokens=0, tree_candidates=0)
 
     def settings(self) -> dict:
-        return {"model": self.model, "chat": self.chat, "mode": self.mode, "k": self.k,
-                "max_new_tokens": self.max_new_tokens, "lookup_tokens": self.lookup_tokens,
-                "tree_candidates": self.tree_candidates} | (
-            {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
-             "top_k": self.sampling.top_k, "seed": self.sampling.seed} if self.mode == "sampling" else {})
+        """The settings as the API reports them: what the decoders used (no draft tree under sampling)."""
+        config, sampling = self.config, self.config.sampling
+        return {"model": self.model, "chat": self.chat, "mode": self.mode, "k": config.k,
+                "max_new_tokens": config.max_new_tokens, "lookup_tokens": config.lookup_tokens,
+                "tree_candidates": config.tree_candidates_used} | (
+            {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+             "seed": sampling.seed} if sampling.do_sample else {})
 
 
-def _integer(name: str, value, low: int, high: int) -> int:
-    """`value` as an int in [low, high]; floats and numeric strings must be whole numbers \
-(API callers send anything)."""
-    wrong = SettingError(f"{name} must be a whole number between {low} and {high}, got {_shown(value)}")
+def _integer(value):
+    """An API caller's whole number as an int: an int, a whole float or a string of one ("4", "4.0").
+    Anything else comes back as it is, for the config's check to refuse with the setting's range."""
     if isinstance(value, str):
         try:
             value = float(value)
         except ValueError:
-            raise wrong from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):  # bool is an int to Python, not to a visitor
-        raise wrong
-    if isinstance(value, float):
-        # -0.0, NaN, inf and 1e300 are floats; an int of any size is compared exactly, never through float().
-        if not math.isfinite(value) or value != int(value):
-            raise wrong
-        value = int(value)
-    if not low <= value <= high:
-        raise SettingError(f"{name} must be between {low} and {high}, got {_shown(value)}")
+            return value
+    # -0.0, NaN, inf and 1e300 are floats; an int of any size stays exact, never passing through float().
+    if isinstance(value, float) and math.isfinite(value) and value == int(value):
+        return int(value)
     return value
 
 
-def _real(name: str, value, low: float, high: float, low_open: bool = False) -> float:
-    """`value` as a finite float in [low, high] (or (low, high] when `low_open`)."""
-    bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+def _real(value):
+    """An API caller's number as a float: an int, a float or a string of one. Anything else (a bool, a list,
+    an int beyond float's range) comes back as it is, for the config's check to refuse with the range."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise SettingError(f"{name} must be a number in {bound}, got {_shown(value)}")
+        return value
     try:
-        value = float(value)
+        return float(value)
     except (ValueError, OverflowError):  # "abc", or an int beyond float's range
-        raise SettingError(f"{name} must be a number in {bound}, got {_shown(value)}") from None
-    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-        raise SettingError(f"{name} must be in {bound}, got {value}")
-    return value
+        return value
 
 
 def _flag(name: str, value) -> bool:
@@ -161,17 +174,7 @@ def _flag(name: str, value) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise SettingError(f"{name} must be true or false, got {_shown(value)}")
-
-
-def _shown(value, limit: int = 60) -> str:
-    """A visitor's value for an error message: its repr, cut short (a 1 MB list must not come back)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
-        # counted from its bits: str() of an int beyond 4300 digits raises in Python 3.11
-        return (f"a {len(str(abs(value)))}-digit number" if value.bit_length() < 14000
-                else "a number of over 4000 digits")
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
+    raise SettingError(f"{name} must be true or false, got {shown(value)}")
 
 
 def check_flag(name: str, value) -> bool:
@@ -182,49 +185,53 @@ def check_flag(name: str, value) -> bool:
 def check_iteration(value) -> int:
     """The explorer's slider: a whole number from 1 (the handler clamps it to the race it shows, which may
     have expired since the slider was drawn)."""
-    return _integer("iteration", value, 1, MAX_ITERATIONS)
+    value = _integer(value)
+    try:
+        check_whole("iteration", value, 1, MAX_ITERATIONS)
+    except ValueError as err:
+        raise SettingError(str(err)) from None
+    return value
 
 
-def check_request(limits: Limits, max_k: int | None, *, prompt, model, chat, mode, k, max_new_tokens,
-                  temperature, top_p, top_k, seed, lookup_tokens=0, tree_candidates=0) -> RunRequest:
-    """Check every setting a visitor sent, by type and range; raises SettingError naming the first bad one.
-
-    Every setting is checked whatever the mode, so a value the request ignores (the temperature of a
-    greedy run) is still refused when it is not a valid value. `max_k` is the chosen model's largest k
-    (None: not known yet, checked again once it is loaded).
-    """
-    if not isinstance(model, str) or model not in limits.models:
-        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); "
-                           f"got {_shown(model)}")
+def _check_prompt(limits: Limits, prompt) -> str:
     if not isinstance(prompt, str):
-        raise SettingError(f"prompt must be text, got {_shown(prompt)}")
+        raise SettingError(f"prompt must be text, got {shown(prompt)}")
     if prompt == "":
         raise SettingError("prompt is empty: type some text for the model to continue")
     if len(prompt) > limits.max_prompt_chars:
         raise SettingError(f"prompt must be at most {limits.max_prompt_chars} characters, got {len(prompt)}")
     try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
-        raise SettingError(f"prompt must be valid Unicode text; "
-                           f"it has an unpaired surrogate at character {err.start}") from None
-    chat = _flag("chat", chat)
+        return check_unicode("prompt", prompt)
+    except ValueError as err:  # a lone surrogate, as JSON's "\ud800" decodes to
+        raise SettingError(str(err)) from None
+
+
+def parse_request(limits: Limits, inputs: Mapping) -> RunRequest:
+    """A visitor's request from `inputs` (REQUEST_INPUTS by name, as the page or an API caller sent them).
+
+    Checks what only the page knows: the model is on the operator's list, the prompt is text within its
+    limit, chat is a boolean and mode a known one. Numbers are parsed (API callers send strings, whole
+    floats, ints of any size); their ranges wait for `RunRequest.validate`, once the model is loaded.
+    Raises SettingError naming the first bad setting.
+    """
+    model = inputs["model"]
+    if not isinstance(model, str) or model not in limits.models:
+        raise SettingError(f"model must be one of: {', '.join(limits.models)} (set by the operator); "
+                           f"got {shown(model)}")
+    prompt = _check_prompt(limits, inputs["prompt"])
+    chat = _flag("chat", inputs["chat"])
+    mode = inputs["mode"]
     if not isinstance(mode, str) or mode not in MODES:
-        raise SettingError(f"mode (decoding) must be one of {', '.join(MODES)}, got {_shown(mode)}")
-    k = _integer("k (adaptive tokens per step)", k, 1, max_k or 64)
-    max_new_tokens = _integer("max new tokens", max_new_tokens, 1, limits.max_new_tokens)
-    lookup_tokens = _integer("prompt lookup tokens", lookup_tokens, 0, MAX_LOOKUP_TOKENS)
-    tree_candidates = _integer("draft tree candidates", tree_candidates, 0, MAX_TREE_CANDIDATES)
-    sampled = SamplingConfig(do_sample=True,
-                             temperature=_real("temperature", temperature, MIN_TEMPERATURE, MAX_TEMPERATURE),
-                             top_p=_real("top-p", top_p, 0.0, 1.0, low_open=True),
-                             top_k=_integer("top-k", top_k, 0, MAX_TOP_K),
-                             seed=_integer("seed", seed, 0, MAX_SEED))
-    sampling = SamplingConfig()
-    if mode == "sampling":
-        sampling = sampled
-        tree_candidates = 0  # a draft tree is greedy only: sampling verifies the chain, and the record says so
-    return RunRequest(prompt=prompt, model=model, chat=chat, mode=mode, k=k, max_new_tokens=max_new_tokens,
-                      sampling=sampling, lookup_tokens=lookup_tokens, tree_candidates=tree_candidates)
+        raise SettingError(f"mode (decoding) must be one of {', '.join(MODES)}, got {shown(mode)}")
+    if inputs["seed"] is None:  # the config's "draw a fresh seed": a page's run is repeatable
+        raise SettingError(f"seed must be a whole number between 0 and {MAX_SEED}, got None")
+    sampling = SamplingConfig(do_sample=mode == "sampling", temperature=_real(inputs["temperature"]),
+                              top_p=_real(inputs["top_p"]), top_k=_integer(inputs["top_k"]),
+                              seed=_integer(inputs["seed"]))
+    config = DecodeConfig(method="sdsat", k=_integer(inputs["k"]), max_new_tokens=_integer(inputs["max_new_tokens"]),
+                          sampling=sampling, lookup_tokens=_integer(inputs["lookup_tokens"]),
+                          tree_candidates=_integer(inputs["tree_candidates"]))
+    return RunRequest(prompt=prompt, model=model, chat=chat, config=config)
 
 
 def check_prompt_ids(limits: Limits, prompt_ids: list[int], request: RunRequest, max_context: int | None) -> None:
@@ -234,6 +241,6 @@ def check_prompt_ids(limits: Limits, prompt_ids: list[int], request: RunRequest,
     if not prompt_ids:
         raise SettingError("prompt is empty after tokenizing: type some text for the model to continue")
     try:  # the SDSAT decoder's rule: it feeds more positions than vanilla's
-        request.decode_config("sdsat").check_context(len(prompt_ids), max_context)
+        request.config.check_context(len(prompt_ids), max_context)
     except ValueError as err:
         raise SettingError(str(err)) from None
