@@ -32,9 +32,8 @@ from .tree import MAX_EXTRA as MAX_TREE_CANDIDATES
 from .verify import Verdict, verify_chain, verify_tree
 
 __all__ = ["DecodeConfig", "Event", "GenerationResult", "MAX_LOOKUP_TOKENS", "MAX_TREE_CANDIDATES", "METHODS",
-           "SCHEMES", "StepRecord", "collect", "decode", "run"]
+           "SCHEMES", "StepRecord", "collect", "decode"]
 
-run = collect  # the former name of `collect`, kept for code that imports it from here
 
 
 def decode(sat_model: SatModel | torch.nn.Module, tokenizer, prompt_ids: list[int], config: DecodeConfig,

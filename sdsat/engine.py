@@ -14,7 +14,7 @@ from typing import Iterator
 
 from . import ASSETS
 from .checkpoints import known_checkpoint
-from .decoding import DecodeConfig, Event, GenerationResult, decode, run
+from .decoding import DecodeConfig, Event, GenerationResult, collect, decode
 from .default_model import cache_dir
 from .models import DEFAULT_MODEL, LoadConfig, load_model
 from .prompts import encode_prompt, eos_ids_of
@@ -98,7 +98,7 @@ class Engine:
         return decode(self.sat_model, self.tokenizer, prompt_ids, config, self.eos_ids, should_stop)
 
     def generate(self, prompt: str, config: DecodeConfig, chat: bool = False) -> GenerationResult:
-        return run(self.stream(self.encode(prompt, chat), config))
+        return collect(self.stream(self.encode(prompt, chat), config))
 
 
 def _resolve_sats(model, tokenizer, model_name: str, sats: SatSource) -> tuple[SatSpec, SatAdapter | None, bool]:

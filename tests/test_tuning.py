@@ -8,7 +8,7 @@ import torch
 
 from sdsat import cpu_kernels, tuning
 from sdsat.costs import check_rows, measure_curve
-from sdsat.decoding import DecodeConfig, decode, run
+from sdsat.decoding import DecodeConfig, collect, decode
 from test_decoding import KINDS, TOKENIZER, make_sat_model, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,11 +36,11 @@ def test_a_precision_is_usable_exactly_when_greedy_sdsat_can_rely_on_it(kind, pr
         if not (check.invariant or check.close):
             return
         for prompt in random_prompts(seed=7, count=6):
-            vanilla = run(decode(sat_model, TOKENIZER, prompt, DecodeConfig(method="vanilla", max_new_tokens=24), []))
+            vanilla = collect(decode(sat_model, TOKENIZER, prompt, DecodeConfig(method="vanilla", max_new_tokens=24), []))
             for k in (1, 3, 5):
                 for extra in (dict(), dict(tree_candidates=3), dict(lookup_tokens=6), dict(scheme="fused")):
                     config = DecodeConfig(k=k, max_new_tokens=24, **extra)
-                    sdsat = run(decode(sat_model, TOKENIZER, prompt, config, []))
+                    sdsat = collect(decode(sat_model, TOKENIZER, prompt, config, []))
                     assert sdsat.token_ids == vanilla.token_ids, (k, extra, prompt)
 
 
