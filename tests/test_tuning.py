@@ -36,7 +36,8 @@ def test_a_precision_is_usable_exactly_when_greedy_sdsat_can_rely_on_it(kind, pr
         if not (check.invariant or check.close):
             return
         for prompt in random_prompts(seed=7, count=6):
-            vanilla = collect(decode(sat_model, TOKENIZER, prompt, DecodeConfig(method="vanilla", max_new_tokens=24), []))
+            plain = DecodeConfig(method="vanilla", max_new_tokens=24)
+            vanilla = collect(decode(sat_model, TOKENIZER, prompt, plain, []))
             for k in (1, 3, 5):
                 for extra in (dict(), dict(tree_candidates=3), dict(lookup_tokens=6), dict(scheme="fused")):
                     config = DecodeConfig(k=k, max_new_tokens=24, **extra)
