@@ -48,6 +48,22 @@ class Tuning:
     rows: dict[str, RowCheck] = field(default_factory=dict)
     plan: Plan | None = None  # None: no acceptance trace for these SATs (then `note` says so)
     note: str = ""
+    trace: Trace | None = field(default=None, repr=False)
+    max_k: int = 0
+
+    def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True) -> Plan | None:
+        """The plan among `schemes` only (the page has no fused control), in the precision the model is in."""
+        if self.plan is None or self.trace is None:
+            return None
+        if self.plan.settings.scheme in schemes and (greedy or not self.plan.settings.tree_candidates):
+            return self.plan
+        return choose([c for c in self.curves.values()], self.trace, self.max_k, greedy,
+                      usable={self.plan.dtype}, schemes=schemes)
+
+    @property
+    def baseline_s(self) -> float:
+        """Seconds per token of the fastest vanilla decoding measured, in any precision."""
+        return min(c.one_token_s for c in self.curves.values())
 
     @property
     def usable(self) -> list[str]:
@@ -156,7 +172,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
                        "rows": {k: v for k, v in tuning.rows[precision].to_dict().items()
                                 if k not in ("invariant", "close")}}
     _write(cache_file, stored)
-    trace = load_trace(sat_model)
+    trace = tuning.trace = load_trace(sat_model)
+    tuning.max_k = sat_model.max_k
     if trace is None:
         tuning.note = "no acceptance trace ships with these SATs: auto uses the default settings"
     elif not tuning.usable:
