@@ -133,7 +133,7 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
                      draft={s: t for (kind, s), t in median.items() if kind == "draft"}, spread=max(one) / min(one))
 
 
-def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16), context: int = 64, seed: int = 1) -> RowCheck:
+def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 64, seed: int = 1) -> RowCheck:
     """Compare, row by row, the logits of blocks as every decoder feeds them with those of the same
     tokens fed one at a time (what vanilla computes): plain causal blocks of each width, a draft-tree
     block under its 4-D mask, and a draft block [t, SAT×k] (whose first row is the token SDSAT keeps

@@ -37,6 +37,11 @@ TIMED_ROWS = tuple(range(1, 17)) + (20, 24, 28, 32)
 # not offered (SmolLM2-135M: 0.5 GB; a 7B model in float32 would need 28 GB more).
 COPY_LIMIT_BYTES = 2 << 30
 ROUTED_DTYPES = (torch.float32, torch.bfloat16)
+# The row-invariant form (`invariant_plan`): oneDNN on blocked weights, the input dimension cut into chunks of
+# at most this many, partial products summed in float32. Chunks this short came out bit-equal for a row alone
+# and in blocks of 2..32 rows on the CPUs measured; longer ones did not (the kernel splits them by row count).
+INVARIANT_CHUNK = 768
+INVARIANT_ROWS = 128  # up to this many rows per pass (verify blocks of up to 64 lookup copies included)
 _PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
 
 log = logging.getLogger(__name__)
@@ -49,6 +54,11 @@ class KernelPlan:
     choices: dict[tuple[int, int], list[str]] = field(default_factory=dict)
     seconds: float = 0.0  # time the tuning took
 
+    @property
+    def invariant(self) -> bool:
+        """Every product through the row-invariant form (`invariant_plan`)."""
+        return bool(self.choices) and all(set(v) == {"invariant"} for v in self.choices.values())
+
     def summary(self) -> dict[str, list[str]]:
         return {f"{o}x{i}": v for (o, i), v in self.choices.items()}
 
@@ -56,8 +66,11 @@ class KernelPlan:
 _PLANS: dict[str, KernelPlan] = {}  # one tuning per process, machine, model layout and thread count
 
 
-def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """x (M, in) times W^T, for W (out, in): (M, out); `packed` is W by `_pack` (the onednn_packed form)."""
+def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
+    """x (M, in) times W^T, for W (out, in): (M, out); `packed` is W by `_pack` (the onednn_packed form), or
+    for the invariant form its chunks by `_pack_chunks`."""
+    if variant == "invariant":
+        return _chunked_product(x, packed)
     if variant == "weight_left":
         return (weight @ x.t()).t()
     if variant in ("onednn", "onednn_packed"):
@@ -69,6 +82,36 @@ def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed: torch.
 def _pack(weight: torch.Tensor, max_rows: int) -> torch.Tensor:
     """W in oneDNN's blocked layout for products of up to `max_rows` rows (a copy)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, max_rows)
+
+
+def _pack_chunks(weight: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
+    """W cut along its input dimension into chunks of at most INVARIANT_CHUNK, each in oneDNN's blocked layout."""
+    width = weight.shape[1]
+    if width <= INVARIANT_CHUNK:
+        return [_pack(weight, max_rows)]
+    return [_pack(weight[:, i:i + INVARIANT_CHUNK].contiguous(), max_rows) for i in range(0, width, INVARIANT_CHUNK)]
+
+
+def _chunked_product(x: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tensor:
+    x = x.contiguous()
+    if len(chunks) == 1:
+        return torch.ops.mkldnn._linear_pointwise(x, chunks[0], None, "none", [], "")
+    out = None
+    for i, chunk in enumerate(chunks):
+        part = torch.ops.mkldnn._linear_pointwise(x[:, i * INVARIANT_CHUNK:(i + 1) * INVARIANT_CHUNK].contiguous(),
+                                                  chunk, None, "none", [], "").float()
+        out = part if out is None else out + part
+    return out.to(x.dtype)
+
+
+def invariant_available() -> bool:
+    """Whether this torch build runs the invariant form (oneDNN's blocked products, internal to torch)."""
+    return "onednn_packed" in _available_variants(0)
+
+
+def invariant_plan(model: nn.Module) -> KernelPlan:
+    """Every product of 1..INVARIANT_ROWS rows through the row-invariant form (whatever it costs)."""
+    return KernelPlan({shape: ["invariant"] * INVARIANT_ROWS for shape in _groups(model)})
 
 
 def _available_variants(total_bytes: int, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
@@ -206,7 +249,8 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
             continue
         for module in modules:
             module._sdsat_choices = choices
-            module._sdsat_packed = _pack(module.weight, len(choices)) if "onednn_packed" in choices else None
+            module._sdsat_packed = (_pack_chunks(module.weight, MAX_ROWS) if "invariant" in choices
+                                    else _pack(module.weight, len(choices)) if "onednn_packed" in choices else None)
             module.forward = types.MethodType(_routed_forward, module)
             routed += 1
     return routed
@@ -215,7 +259,7 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
 def uninstall(model: nn.Module) -> None:
     model.__dict__.pop("_sdsat_kernel_plan", None)
     for module in model.modules():
-        if isinstance(module, nn.Linear) and "forward" in module.__dict__:
+        if isinstance(module, nn.Linear) and "_sdsat_choices" in module.__dict__:
             del module.forward, module._sdsat_choices, module._sdsat_packed
 
 

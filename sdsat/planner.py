@@ -202,20 +202,25 @@ def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: floa
 
 
 def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = True,
-           usable: set[str] | None = None, schemes: tuple[str, ...] = SCHEMES) -> Plan:
-    """The setting and precision with the best predicted speed-up over the fastest vanilla of `curves`.
+           usable: set[str] | None = None, schemes: tuple[str, ...] = SCHEMES,
+           baseline: tuple[str, float] | None = None, names: dict[str, str] | None = None) -> Plan:
+    """The setting and precision with the best predicted speed-up over the fastest vanilla decoding.
 
-    `usable`: the precisions SDSAT may decode in (those whose rows pass the row check for greedy
-    decoding); vanilla's baseline is the fastest one-token pass of every curve, usable or not.
+    `usable`: the precisions SDSAT may decode in (tuning.py's rule); `baseline`: the fastest vanilla
+    decoding as (name, seconds per token), by default the fastest one-token pass among `curves`, usable
+    or not; `names`: how the reason names each precision (e.g. with its kernel form).
     """
-    fastest = min(curves, key=lambda c: c.one_token_s)
-    baseline = f"{fastest.dtype} vanilla, {fastest.one_token_s * 1e3:.1f} ms per token"
+    names = names or {}
+    if baseline is None:
+        fastest = min(curves, key=lambda c: c.one_token_s)
+        baseline = (names.get(fastest.dtype, fastest.dtype), fastest.one_token_s)
+    baseline_text = f"{baseline[0]} vanilla, {baseline[1] * 1e3:.1f} ms per token"
     scored = []
     for curve in curves:
         if usable is not None and curve.dtype not in usable:
             continue
         for settings in candidates(max_k, greedy, trace.depth, schemes):
-            scored.append((predict(trace, settings, curve, fastest.one_token_s), curve.dtype))
+            scored.append((predict(trace, settings, curve, baseline[1]), curve.dtype))
     if not scored:
         raise ValueError("no precision is usable for SDSAT on this machine")
     # Best predicted speed-up; ties go to the cheaper setting (smaller k, fewer candidates), then to the listed order.
@@ -224,10 +229,11 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
     s = best.settings
     what = (f"{s.scheme} k={s.k}" + (f", prompt lookup {s.lookup_tokens}" if s.lookup_tokens else "")
             + (f", draft tree +{s.tree_candidates}" if s.tree_candidates else ""))
+    where = names.get(dtype, dtype)
     if best.speedup > 1:
-        reason = (f"{what} in {dtype}: predicted {best.speedup:.2f}× the fastest vanilla ({baseline}), "
+        reason = (f"{what} in {where}: predicted {best.speedup:.2f}× the fastest vanilla ({baseline_text}), "
                   f"{best.tokens_per_pass:.2f} tokens per pass")
     else:
-        reason = (f"no setting is predicted to beat vanilla on this machine; the closest is {what} in {dtype} at "
-                  f"{best.speedup:.2f}× ({baseline})")
-    return Plan(s, best, dtype, baseline, reason, [p for p, _ in scored[:5]])
+        reason = (f"no setting is predicted to beat vanilla on this machine; the closest is {what} in {where} at "
+                  f"{best.speedup:.2f}× ({baseline_text})")
+    return Plan(s, best, dtype, baseline_text, reason, [p for p, _ in scored[:5]])

@@ -1,16 +1,20 @@
-"""Load-time tuning: the precision and the SDSAT settings this machine runs fastest, measured on the model.
+"""Load-time tuning: the precision, kernels and SDSAT settings this machine runs fastest, measured on the model.
 
-For each precision the machine offers (on a CPU: float32 and bfloat16, each with its own kernel plan
-from cpu_kernels.py; elsewhere the loaded one) it measures the pass-cost curve and checks whether a
-row of a block comes out as it does alone (costs.py). The planner (planner.py) then picks the
-precision and settings with the best predicted speed-up over the fastest vanilla decoding.
+For each precision the machine offers (on a CPU: float32 and bfloat16; elsewhere the loaded one) it
+measures the pass-cost curve and checks whether a row of a block comes out as it does alone
+(costs.py). On a CPU each precision is tried in its row-invariant form first: products through
+oneDNN in chunks (cpu_kernels.invariant_plan) and attention one row at a time (attention.py). Where
+that form passes the row check, SDSAT decodes in it, and so does the vanilla decode it is compared
+with. The routed form (the fastest kernel per row count, cpu_kernels.tune) is timed too, for the
+fastest vanilla decoding. The planner (planner.py) then picks the precision and settings with the
+best predicted speed-up over the fastest vanilla decoding of any precision and form.
 
-Rule for precisions whose rows are not bit-equal alone and batched: greedy SDSAT may decode in a
-precision only when every checked row is bit-equal, or differs by rounding alone (at most
-`costs.CLOSE_DRIFT`, with the same top token): float32. Greedy output then equals vanilla's in the same
-precision except at a near-tie within that rounding, and every run reports whether it did. A precision
-whose rows move by whole tenths of a logit (bfloat16 on most CPUs) is never chosen for SDSAT, but its
-vanilla still counts as the baseline to beat when it is faster.
+Rule for forms whose rows are not bit-equal alone and batched: greedy SDSAT decodes in a bit-equal
+form whenever one was measured. Only when none is (no oneDNN, a GPU) may it use a form whose rows
+differ by rounding alone (at most `costs.CLOSE_DRIFT` of the row's largest logit, the same top token:
+float32): greedy output then equals vanilla's except at a near-tie within that rounding, and every
+run reports whether it did. A form whose rows move by tenths of a logit (bfloat16 with batched
+attention) is never used for SDSAT; its vanilla still counts as the baseline when it is faster.
 
 Curves and row checks take seconds; they are kept in `~/.cache/sdsat/tuning.json` under a key of the
 machine, torch, thread count and model, so a restart reads them.
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_kernels
+from . import attention, cpu_kernels
 from .costs import CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
@@ -36,16 +40,18 @@ from .planner import TRACE_FILE, Plan, Trace, choose
 log = logging.getLogger(__name__)
 
 CPU_PRECISIONS = ("float32", "bfloat16")
-_FORMAT = 1
-_ATTENTION = {"bfloat16": "eager"}  # bfloat16's SDPA path mixes rows (issue 15); float32 keeps the loaded kernel
+INVARIANT, ROUTED = "row-invariant", "routed"  # the two forms of a precision on a CPU
+_FORMAT = 2
 
 
 @dataclass
 class Tuning:
     """What was measured at load and what it chose."""
 
-    curves: dict[str, CostCurve] = field(default_factory=dict)  # by precision
+    curves: dict[str, CostCurve] = field(default_factory=dict)  # by precision: the form SDSAT would decode in
     rows: dict[str, RowCheck] = field(default_factory=dict)
+    forms: dict[str, str] = field(default_factory=dict)  # by precision: INVARIANT or ROUTED
+    vanilla_s: dict[str, float] = field(default_factory=dict)  # "<precision> routed": its one-token pass
     plan: Plan | None = None  # None: no acceptance trace for these SATs (then `note` says so)
     note: str = ""
     trace: Trace | None = field(default=None, repr=False)
@@ -57,22 +63,35 @@ class Tuning:
             return None
         if self.plan.settings.scheme in schemes and (greedy or not self.plan.settings.tree_candidates):
             return self.plan
-        return choose([c for c in self.curves.values()], self.trace, self.max_k, greedy,
-                      usable={self.plan.dtype}, schemes=schemes)
+        return choose(list(self.curves.values()), self.trace, self.max_k, greedy, usable={self.plan.dtype},
+                      schemes=schemes, baseline=self.baseline, names=self.names)
+
+    @property
+    def names(self) -> dict[str, str]:
+        """Each precision as results name it: "float32 row-invariant", "bfloat16 routed"."""
+        return {p: f"{p} {self.forms[p]}" if p in self.forms else p for p in self.curves}
+
+    @property
+    def baseline(self) -> tuple[str, float]:
+        """The fastest vanilla decoding measured, in any precision and form: (name, seconds per token)."""
+        timed = {self.names[p]: c.one_token_s for p, c in self.curves.items()}
+        return min((timed | self.vanilla_s).items(), key=lambda item: item[1])
 
     @property
     def baseline_s(self) -> float:
-        """Seconds per token of the fastest vanilla decoding measured, in any precision."""
-        return min(c.one_token_s for c in self.curves.values())
+        return self.baseline[1]
 
     @property
     def usable(self) -> list[str]:
         """Precisions greedy SDSAT may decode in (see the module's rule)."""
-        return [p for p, check in self.rows.items() if check.invariant or check.close]
+        exact = [p for p, check in self.rows.items() if check.invariant]
+        return exact or [p for p, check in self.rows.items() if check.close]
 
     def to_dict(self) -> dict:
-        return {"curves": {p: c.to_dict() for p, c in self.curves.items()},
+        return {"curves": {p: c.to_dict() for p, c in self.curves.items()}, "forms": self.forms,
                 "rows": {p: r.to_dict() for p, r in self.rows.items()}, "usable": self.usable,
+                "vanilla_seconds_per_token": self.vanilla_s,
+                "baseline": {"decoding": self.baseline[0], "seconds_per_token": self.baseline[1]},
                 "plan": self.plan.to_dict() if self.plan else None, "note": self.note}
 
 
@@ -80,41 +99,51 @@ def dtype_name(model: torch.nn.Module) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-def set_precision(sat_model, precision: str, kernels: bool = True) -> None:
-    """Convert the model (and its SAT adapter) to `precision` in place, with that precision's attention
-    kernel and, on a CPU, its own kernel plan."""
+def set_precision(sat_model, precision: str, kernels: bool = True, form: str = ROUTED) -> None:
+    """Convert the model (and its SAT adapter) to `precision` in place, in `form`: on a CPU with kernels,
+    ROUTED is the fastest kernel per row count and batched SDPA attention, INVARIANT the row-invariant
+    products and attention. Elsewhere the products are nn.Linear's and the attention SDPA."""
     model = sat_model.model
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
     model.to(dtype)
     if sat_model.adapter is not None:
         sat_model.adapter.to(dtype)
-    model.set_attn_implementation(_ATTENTION.get(precision, "sdpa"))
-    if kernels and next(model.parameters()).device.type == "cpu":
+    on_cpu = kernels and next(model.parameters()).device.type == "cpu"
+    invariant = form == INVARIANT and on_cpu
+    model.set_attn_implementation(attention.register() if invariant else "sdpa")
+    if invariant:
+        cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
+    elif on_cpu:
         cpu_kernels.install(model, cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json"))
 
 
+def form_of(model: torch.nn.Module) -> str:
+    plan = cpu_kernels.installed_plan(model)
+    return INVARIANT if plan is not None and plan.invariant else ROUTED
+
+
 @contextlib.contextmanager
-def trying(sat_model, precision: str, kernels: bool = True):
-    """The model in `precision` for the block; afterwards as it was, bit for bit."""
+def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
+    """The model in `precision` and `form` for the block; afterwards as it was, bit for bit."""
     model = sat_model.model
     before = dtype_name(model)
-    if precision == before:
+    if precision == before and form == form_of(model):
         yield
         return
     modules = [m for m in (model, sat_model.adapter) if m is not None]
     saved = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules]
     plan = cpu_kernels.installed_plan(model)
-    attention = model.config._attn_implementation
+    attn = model.config._attn_implementation
     try:
-        set_precision(sat_model, precision, kernels)
+        set_precision(sat_model, precision, kernels, form)
         yield
     finally:
         cpu_kernels.uninstall(model)
         for m, state in zip(modules, saved):
             m.to(getattr(torch, before))
             m.load_state_dict(state)
-        model.set_attn_implementation(attention)
+        model.set_attn_implementation(attn)
         if plan is not None:
             cpu_kernels.install(model, plan)
 
@@ -143,35 +172,52 @@ def load_trace(sat_model) -> Trace | None:
         return None
 
 
+def _measure(sat_model, precision: str, kernels: bool) -> tuple[str, CostCurve, RowCheck, float | None]:
+    """(form, its curve, its row check, the routed form's one-token seconds when SDSAT's form is another)."""
+    on_cpu = kernels and next(sat_model.model.parameters()).device.type == "cpu"
+    if on_cpu and cpu_kernels.invariant_available():
+        with trying(sat_model, precision, kernels, INVARIANT), torch.inference_mode():
+            curve, rows = measure_curve(sat_model), check_rows(sat_model)
+        if rows.invariant:
+            with trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
+                routed = measure_curve(sat_model, widths=(1,), drafts=0)
+            return INVARIANT, curve, rows, None if routed.noisy else routed.one_token_s
+    with trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
+        return ROUTED, measure_curve(sat_model), check_rows(sat_model), None
+
+
 def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = True,
          cache_file: Path | None = None) -> Tuning:
-    """Measure every precision worth trying, plan, and leave the model in the chosen precision."""
+    """Measure every precision worth trying, plan, and leave the model in the chosen precision and form."""
     model = sat_model.model
     tuning = Tuning()
     stored = _read(cache_file)
     for precision in precisions_to_try(model, fixed_dtype):
         key = json.dumps([_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), model_name,
                           str(next(model.parameters()).device.type), precision, sat_model.max_k, kernels])
-        if key in stored:
-            try:
-                tuning.curves[precision] = CostCurve.from_dict(stored[key]["curve"])
-                tuning.rows[precision] = RowCheck(**stored[key]["rows"])
-                continue
-            except (KeyError, TypeError, ValueError):
-                pass  # measured again below
-        with trying(sat_model, precision, kernels):
-            with torch.inference_mode():
-                tuning.curves[precision] = measure_curve(sat_model)
-                tuning.rows[precision] = check_rows(sat_model)
-        if tuning.curves[precision].noisy:
-            log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
-                        "%.1f-fold); they are used now and measured again at the next start", precision,
-                        tuning.curves[precision].spread)
-            continue
-        stored[key] = {"curve": tuning.curves[precision].to_dict(),
-                       "rows": {k: v for k, v in tuning.rows[precision].to_dict().items()
-                                if k not in ("invariant", "close")}}
+        try:
+            entry = stored[key]
+            form, curve, rows = entry["form"], CostCurve.from_dict(entry["curve"]), RowCheck(**entry["rows"])
+            routed = entry.get("routed_s")
+        except (KeyError, TypeError, ValueError):
+            form, curve, rows, routed = _measure(sat_model, precision, kernels)
+            if curve.noisy:
+                log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
+                            "%.1f-fold); they are used now and measured again at the next start", precision,
+                            curve.spread)
+            else:
+                stored[key] = {"form": form, "curve": curve.to_dict(), "routed_s": routed,
+                               "rows": {k: v for k, v in rows.to_dict().items() if k not in ("invariant", "close")}}
+        tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = form, curve, rows
+        if routed is not None:
+            tuning.vanilla_s[f"{precision} {ROUTED}"] = routed
     _write(cache_file, stored)
+    _plan(tuning, sat_model, kernels)
+    return tuning
+
+
+def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:
+    """Choose, and leave the model in the chosen precision and form."""
     trace = tuning.trace = load_trace(sat_model)
     tuning.max_k = sat_model.max_k
     if trace is None:
@@ -179,11 +225,13 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     elif not tuning.usable:
         tuning.note = "no precision keeps rows close enough for greedy SDSAT: auto uses the loaded one"
     else:
-        tuning.plan = choose(list(tuning.curves.values()), trace, sat_model.max_k, usable=set(tuning.usable))
-        if tuning.plan.dtype != dtype_name(model):
-            set_precision(sat_model, tuning.plan.dtype, kernels)
+        tuning.plan = choose(list(tuning.curves.values()), trace, sat_model.max_k, usable=set(tuning.usable),
+                             baseline=tuning.baseline, names=tuning.names)
+        precision = tuning.plan.dtype
+        form = tuning.forms[precision]
+        if (precision, form) != (dtype_name(sat_model.model), form_of(sat_model.model)):
+            set_precision(sat_model, precision, kernels, form)
         log.info("auto: %s", tuning.plan.reason)
-    return tuning
 
 
 def _read(cache_file: Path | None) -> dict:

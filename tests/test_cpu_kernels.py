@@ -165,3 +165,22 @@ def test_a_plan_with_bad_entries_is_set_aside_and_tuned_again(tmp_path, monkeypa
     assert list(json.loads(cache.read_text()).values()) == [again.summary()]
     assert not list(tmp_path.glob("*.tmp*"))  # written through a temporary file, renamed into place
     cpu_kernels.uninstall(model)
+
+
+@ONEDNN
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(dtype):
+    """Inputs wider than one chunk (down_proj's 1536 in SmolLM2) are cut into chunks: every row of a block of
+    2..40 rows equals the row multiplied alone, bit for bit, and the product agrees with nn.Linear."""
+    torch.manual_seed(0)
+    layer = nn.Linear(1600, 48, bias=False).to(dtype)
+    x = torch.randn(40, 1600, dtype=dtype)
+    with torch.inference_mode():
+        expected = layer(x)
+        assert cpu_kernels.install(layer, cpu_kernels.invariant_plan(layer)) == 1
+        assert cpu_kernels.installed_plan(layer).invariant
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+        for rows in (2, 3, 5, 8, 16, 33, 40):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(alone.float(), expected.float(), rtol=tolerance, atol=tolerance)
