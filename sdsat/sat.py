@@ -166,7 +166,7 @@ class SatAdapter(nn.Module):
             return None
         start, slots = current
         hidden = args[0] if args else kwargs["hidden_states"]
-        hidden = _add_to_tail(hidden, start, self.embeddings[slots], in_place=False)  # the layer input may be kept
+        hidden = _add_to_tail(hidden, start, self.embeddings[slots].to(hidden.dtype), in_place=False)  # may be kept
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
@@ -182,12 +182,16 @@ class SatAdapter(nn.Module):
             if current is None:
                 return None
             start, x = current[0], inputs[0]
+            a, b = self.lora_a[key], self.lora_b[key]
             if output.shape[0] == 1 and not torch.is_grad_enabled():
                 # Decoding: one multiply-add into the SAT rows of the layer's fresh output (this hook runs
                 # for every adapted layer of a draft pass, so its few small ops add up on a CPU).
-                output[0, start:].addmm_(x[0, start:] @ self.lora_a[key], self.lora_b[key], alpha=self.scale)
+                if a.dtype == output.dtype:
+                    output[0, start:].addmm_(x[0, start:] @ a, b, alpha=self.scale)
+                else:  # a bfloat16 model on a CPU keeps its adapter in float32, where these small products are fast
+                    output[0, start:] += ((x[0, start:].to(a.dtype) @ a) @ b * self.scale).to(output.dtype)
                 return output
-            return _add_to_tail(output, start, (x[:, start:] @ self.lora_a[key]) @ self.lora_b[key] * self.scale)
+            return _add_to_tail(output, start, ((x[:, start:].to(a.dtype) @ a) @ b * self.scale).to(output.dtype))
 
         return hook
 

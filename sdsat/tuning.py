@@ -107,9 +107,9 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
     model.to(dtype)
-    if sat_model.adapter is not None:
-        sat_model.adapter.to(dtype)
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
+    if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
+        sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form == INVARIANT and on_cpu
     model.set_attn_implementation(attention.register() if invariant else "sdpa")
     if invariant:
@@ -133,6 +133,7 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
         return
     modules = [m for m in (model, sat_model.adapter) if m is not None]
     saved = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules]
+    dtypes = [next(m.parameters()).dtype for m in modules]
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
     try:
@@ -140,8 +141,8 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
         yield
     finally:
         cpu_kernels.uninstall(model)
-        for m, state in zip(modules, saved):
-            m.to(getattr(torch, before))
+        for m, state, dtype in zip(modules, saved, dtypes):
+            m.to(dtype)
             m.load_state_dict(state)
         model.set_attn_implementation(attn)
         if plan is not None:
