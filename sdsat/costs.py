@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache
 
 from . import timing
 from .kvcache import behind_cache, rollback
+from .records import StepRecord
 from .sat import SatModel
 from .tree import DraftTree
 
@@ -94,6 +96,21 @@ class RowCheck:
 
     def to_dict(self) -> dict:
         return asdict(self) | {"invariant": self.invariant, "close": self.close}
+
+
+def priced_seconds(steps: Sequence[StepRecord], curve: CostCurve, k: int) -> float:
+    """What the forward passes of these iterations cost at the curve's prices: a draft pass [t, SAT×k] costs
+    `draft_s(k)` (k: the config's SATs per draft pass), and every other pass `pass_s` of the tokens it feeds: its
+    start token and the candidates it verifies (a vanilla pass: 1), and in a fused pass a run of k SATs after
+    each of those (verify.py). The first pass also reads the prompt; it is priced as a decode pass, as vanilla's
+    would be, because the curve times passes behind a filled cache."""
+    seconds = 0.0
+    for step in steps:
+        if step.draft_pass:
+            seconds += curve.draft_s(k)
+        fed = 1 + step.candidates
+        seconds += curve.pass_s(fed * (1 + k) if step.kind == "fused" else fed)
+    return seconds
 
 
 def _prefill(sat_model: SatModel, context: int, generator: torch.Generator) -> tuple[DynamicCache, int]:
