@@ -15,6 +15,7 @@ from sdsat.decoding import StepRecord
 from sdsat.models import DEFAULT_MODEL
 from sdsat.ui import benchmark, explorer
 from sdsat.ui.handlers import RACE_OUTPUTS, Page
+from sdsat.ui.presets import DEFAULT_SCHEME
 from sdsat.ui.race import make_record, race
 from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
@@ -512,14 +513,14 @@ def test_chat_turns_render_with_colours_and_badges(page, default_engine):
     chat = Chat(page.limits, page.cache)
     turns = []
     for message in ("Write a Python function that adds two numbers.", "And one that subtracts them."):
-        *_, (shown, turns, _) = chat.respond(message, turns, DEFAULT_MODEL, "fastest", "greedy", 1.0, 12)
+        *_, (shown, turns, _) = chat.respond(message, turns, DEFAULT_MODEL, DEFAULT_SCHEME, "greedy", 1.0, 12)
     assert len(turns) == 2 and turns[1].prompt_ids[:len(turns[0].prompt_ids)] == turns[0].prompt_ids
     assert [m["role"] for m in shown] == ["user", "assistant"] * 2
     assert "tok src-verified" in shown[3]["content"] and "tokens/s" in shown[3]["content"]
     assert "\n" not in shown[3]["content"]  # one HTML block for the Chatbot's markdown
     *_, (shown, turns) = chat.race_turn(turns)
     assert turns[1].identical() is True and "identical to vanilla" in shown[3]["content"]
-    *_, (shown, turns, _) = chat.regenerate(turns, DEFAULT_MODEL, "fastest", "greedy", 1.0, 12)
+    *_, (shown, turns, _) = chat.regenerate(turns, DEFAULT_MODEL, DEFAULT_SCHEME, "greedy", 1.0, 12)
     assert len(turns) == 2 and turns[1].runs == 2 and turns[1].result.token_ids == turns[1].token_ids
     with pytest.raises(gr.Error, match="scheme must be one of"):
         list(chat.respond("hi", [], DEFAULT_MODEL, "fastest-ever", "greedy", 1.0, 12))

@@ -21,7 +21,7 @@ from ..models import ModelLoadError
 from ..prompts import check_unicode, encode_chat
 from . import zerogpu
 from .handlers import visitor_errors, without_paths
-from .presets import SCHEMES, scheme_settings
+from .presets import FALLBACK, auto_settings, scheme_settings
 from .race import race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html
@@ -292,9 +292,11 @@ class Chat:
     def _reply(self, message, turns, model, scheme, mode, temperature, max_new_tokens, runs, clear_box):
         box = "" if clear_box else gr.skip()
         try:
+            engine = self._engine(model)  # auto's values are the loaded model's plan for this machine
+            auto = auto_settings(engine.tuning, mode != "sampling", engine.max_k)
             inputs = dict(prompt=check_message(message), model=model, chat=True, mode=mode,
                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=CHAT_TOP_P, top_k=CHAT_TOP_K,
-                          seed=runs - 1) | scheme_settings(scheme)
+                          seed=runs - 1) | scheme_settings(scheme, auto)
             turn = self.start_turn(inputs, history_of(turns))
         except SettingError as err:
             raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
@@ -340,10 +342,10 @@ class Chat:
     # -- API -----------------------------------------------------------------------------------
     @visitor_errors
     async def turn(self, message: str, history: list[dict] | None = None, model: str = "", mode: str = "greedy",
-                   k: int = SCHEMES["fastest"]["k"], max_new_tokens: int = 64, temperature: float = 1.0,
+                   k: int = FALLBACK["k"], max_new_tokens: int = 64, temperature: float = 1.0,
                    top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                   lookup_tokens: int = SCHEMES["fastest"]["lookup_tokens"],
-                   tree_candidates: int = SCHEMES["fastest"]["tree_candidates"], check_vanilla: bool = False) -> dict:
+                   lookup_tokens: int = FALLBACK["lookup_tokens"],
+                   tree_candidates: int = FALLBACK["tree_candidates"], check_vanilla: bool = False) -> dict:
         """One chat turn: SDSAT replies to `message` after `history`; returns the reply and its metrics.
 
         `history` is the conversation before it, a list of {"role": "user" | "assistant" | "system",

@@ -1,36 +1,61 @@
 """What the page starts with: the decoding schemes a visitor picks from.
 
-"fastest" is the fastest setting measured on the shipped benchmarks (docs/results.md:
-k = 3 with prompt lookup and a draft tree); "paper" is the paper's two-step scheme alone.
+"auto" is the engine's plan for this machine (docs/architecture.md, "Automatic settings"): the k,
+prompt lookup and draft tree predicted fastest from the pass costs measured at load. The page has no
+fused control, so it asks for the best two-step plan; under sampling, the best plan without a tree.
+"paper" is the paper's two-step scheme alone.
+
+A fixed "fastest" preset (k = 3, lookup 10, tree 2) used to lead. It was the fastest setting on one
+AMD EPYC (1.78–1.89× there, 1.25× on an Intel Xeon with AMX, issue 15), and `auto` finds the best
+setting of whichever machine serves the page, so it replaced that preset. Its values remain auto's
+fallback where no plan exists (SATs without an acceptance trace, or a machine not measured).
 """
 
 from __future__ import annotations
 
+from ..tuning import Tuning
 from .settings import SettingError
 
-SCHEMES = {
-    "fastest": dict(k=3, lookup_tokens=10, tree_candidates=2),
+AUTO = "auto"
+SCHEMES = {  # the fixed schemes; auto's values depend on the machine and the model
     "paper": dict(k=3, lookup_tokens=0, tree_candidates=0),
 }
-SCHEME_LABELS = {  # the radio's choices -> SCHEMES keys
-    "fastest (SATs + prompt lookup + draft tree)": "fastest",
+# auto without a plan: the settings measured fastest on the AMD EPYC of docs/results.md
+FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
+SCHEME_LABELS = {  # the radio's choices -> AUTO or SCHEMES keys
+    "auto (predicted fastest on this machine)": AUTO,
     "paper (two-step SATs only)": "paper",
 }
 CUSTOM = "custom (the sliders below)"
 DEFAULT_SCHEME = next(iter(SCHEME_LABELS))
 
 
-def scheme_settings(label: str) -> dict:
-    """k, lookup_tokens and tree_candidates of a scheme, by its radio label or its key."""
+def auto_settings(tuning: Tuning | None, greedy: bool = True, max_k: int | None = None) -> dict:
+    """k, lookup_tokens and tree_candidates of the machine's two-step plan (FALLBACK without one), k at most
+    `max_k`."""
+    plan = tuning.plan_for(("two_step",), greedy) if tuning is not None else None
+    chosen = dict(FALLBACK) if plan is None else dict(k=plan.settings.k, lookup_tokens=plan.settings.lookup_tokens,
+                                                      tree_candidates=plan.settings.tree_candidates)
+    if max_k is not None:
+        chosen["k"] = min(chosen["k"], max_k)
+    return chosen
+
+
+def scheme_settings(label: str, auto: dict | None = None) -> dict:
+    """k, lookup_tokens and tree_candidates of a scheme, by its radio label or its key; `auto` holds the
+    values of AUTO (auto_settings; FALLBACK when not given)."""
     key = SCHEME_LABELS.get(label, label)
+    if key == AUTO:
+        return dict(auto or FALLBACK)
     if key not in SCHEMES:
         raise SettingError(f"scheme must be one of: {', '.join(SCHEME_LABELS)}; got {label!r}")
     return dict(SCHEMES[key])
 
 
-def scheme_of(k, lookup_tokens, tree_candidates) -> str:
-    """The radio label that matches these slider values, or CUSTOM."""
-    for label, key in SCHEME_LABELS.items():
-        if SCHEMES[key] == dict(k=k, lookup_tokens=lookup_tokens, tree_candidates=tree_candidates):
+def scheme_of(k, lookup_tokens, tree_candidates, auto: dict | None = None) -> str:
+    """The radio label that matches these slider values (auto first), or CUSTOM."""
+    values = dict(k=k, lookup_tokens=lookup_tokens, tree_candidates=tree_candidates)
+    for label in SCHEME_LABELS:
+        if scheme_settings(label, auto) == values:
             return label
     return CUSTOM
