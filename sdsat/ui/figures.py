@@ -1,4 +1,5 @@
-"""Plotly figures of a race: the latency race, accepted tokens, acceptance by position, pass times."""
+"""Plotly figures of a race (the latency race, accepted tokens, acceptance by position, pass times) and of the
+machine it ran on (what a pass costs, measured at load)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
+from ..costs import CostCurve
 from ..decoding import StepRecord
+from ..tree import DraftTree
 from .render import source_class
 
 COLORS = {"vanilla": "#64748b", "sdsat": "#7c3aed", "verified": "#3b82f6", "draft": "#10b981", "bonus": "#f59e0b",
           "rejected": "#ef4444", "copy": "#0891b2"}
+
+PRECISION_COLORS = {"float32": COLORS["sdsat"], "bfloat16": COLORS["copy"], "float16": COLORS["bonus"]}
 
 
 def _layout(fig: go.Figure, title: str, x: str, y: str, height: int = 340) -> go.Figure:
@@ -93,6 +98,49 @@ def pass_figure(vanilla: Sequence[StepRecord], sdsat: Sequence[StepRecord]) -> g
         fig.update_yaxes(range=[0, top])
     return _layout(fig, "Time per forward pass (pass 1 reads the prompt; may be off the chart)",
                    "pass number within its kind", "ms")
+
+
+def chosen_widths(curve: CostCurve, k: int, lookup_tokens: int, tree_candidates: int) -> list[tuple[str, int, float]]:
+    """(pass, tokens fed, cost ÷ a one-token pass) of each pass kind these settings run."""
+    verify = 1 + len(DraftTree.for_k(k, tree_candidates).paths)
+    tree = f", {tree_candidates} runner-ups" if tree_candidates else ""
+    out = [(f"draft pass [t, SAT×{k}]", k + 1, curve.draft_s(k) / curve.one_token_s),
+           (f"verify pass [t, {k} drafts{tree}]", verify, curve.pass_s(verify) / curve.one_token_s)]
+    if lookup_tokens:
+        out.append((f"prompt-lookup verify [t, up to {lookup_tokens} copies]", 1 + lookup_tokens,
+                    curve.pass_s(1 + lookup_tokens) / curve.one_token_s))
+    return out
+
+
+def cost_figure(curves: dict[str, CostCurve], names: dict[str, str], usable: Sequence[str], dtype: str,
+                chosen: dict) -> go.Figure:
+    """What a pass costs ÷ the same precision's one-token pass, against the tokens it feeds: a line per precision
+    measured (`names`: how to call each, e.g. with its kernel form), its draft passes [t, SAT×k] at k + 1, and the
+    passes of the `chosen` settings in `dtype`."""
+    fig = go.Figure()
+    for precision, curve in curves.items():
+        color = PRECISION_COLORS.get(precision, COLORS["vanilla"])
+        use = "SDSAT and vanilla" if precision in usable else "vanilla only"
+        name = f"{names.get(precision, precision)}: {1e3 * curve.one_token_s:.1f} ms at 1 token ({use})"
+        relative = curve.relative()
+        fig.add_trace(go.Scatter(x=list(relative), y=list(relative.values()), mode="lines+markers", name=name,
+                                 line=dict(color=color, width=2), marker=dict(size=5),
+                                 hovertemplate="%{x} tokens: %{y:.2f}× one token<extra>" + precision + "</extra>"))
+        drafts = sorted(curve.draft)
+        fig.add_trace(go.Scatter(x=[k + 1 for k in drafts], y=[curve.draft[k] / curve.one_token_s for k in drafts],
+                                 mode="markers", name=f"{precision}: draft passes [t, SAT×k]", customdata=drafts,
+                                 marker=dict(color=color, size=8, symbol="diamond-open", line=dict(width=2)),
+                                 hovertemplate="k = %{customdata}: %{y:.2f}× one token<extra>draft pass</extra>"))
+    if dtype in curves:
+        points = chosen_widths(curves[dtype], chosen["k"], chosen["lookup_tokens"], chosen["tree_candidates"])
+        fig.add_trace(go.Scatter(x=[w for _, w, _ in points], y=[c for _, _, c in points], mode="markers",
+                                 name=f"these settings' passes ({dtype})", hovertext=[label for label, _, _ in points],
+                                 marker=dict(color="rgba(0,0,0,0)", size=15, line=dict(color="#111827", width=2)),
+                                 hovertemplate="%{hovertext}: %{x} tokens, %{y:.2f}× one token<extra></extra>"))
+    fig.add_hline(y=1.0, line=dict(color="#94a3b8", dash="dot"))
+    fig.update_yaxes(rangemode="tozero")
+    return _layout(fig, "What a forward pass costs here (measured at start)", "tokens per pass",
+                   "× a one-token pass", height=380)
 
 
 def empty_figure(message: str) -> go.Figure:

@@ -58,13 +58,49 @@ def why_html(record: RaceRecord) -> str:
     return f'<div class="why muted">{esc(text)}</div>'
 
 
+def _times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def speedup_note(record: RaceRecord) -> str:
+    """The speed-up card's note: what it divides, and beside it the predicted and implied speed-ups."""
+    costs = record.costs
+    if costs is None:
+        return "SDSAT ÷ vanilla tokens/s"
+    return f"SDSAT ÷ vanilla tokens/s · predicted {_times(costs.predicted)} · its passes imply {_times(costs.implied)}"
+
+
+def costs_html(record: RaceRecord) -> str:
+    """Where the predicted and implied speed-ups come from (machine.py)."""
+    costs = record.costs
+    if costs is None:
+        return ""
+    text = (f"Predicted: the planner's replay of the SATs' acceptance trace under these settings, at the pass "
+            f"costs measured here at start ({costs.decoding}, {costs.one_token_ms:.1f} ms per one-token pass). "
+            f"Implied: this race's {len(record.sdsat.token_ids)} tokens ÷ what its "
+            f"{record.sdsat.forward_passes} passes cost at those prices. Both against vanilla in {costs.decoding}, "
+            "as the race's vanilla ran. See This machine, under the plots.")
+    return f'<div class="why muted costs">{esc(text)}</div>'
+
+
+def fastest_card(record: RaceRecord) -> str:
+    """Where another precision's vanilla is faster than the race's: the speed-up against it, estimated."""
+    costs = record.costs
+    if costs is None or not costs.estimated or costs.vs_fastest is None:
+        return ""
+    return _card(f"≈{costs.vs_fastest:.2f}×", "vs the fastest vanilla here",
+                 esc(f"{costs.fastest} vanilla, {costs.fastest_ms:.1f} ms per token: estimated from the "
+                     f"load-time measurement (× {costs.fastest_ms:.1f} ÷ {costs.one_token_ms:.1f} ms)"))
+
+
 def headline_html(record: RaceRecord) -> str:
     v, s = record.vanilla, record.sdsat
     speed = record.speedup
     cards = "".join([
         _card(f"{v.tokens_per_second:.1f}", "vanilla tokens/s", f"{len(v.token_ids)} tokens, {v.seconds:.1f} s"),
         _card(f"{s.tokens_per_second:.1f}", "SDSAT tokens/s", f"{len(s.token_ids)} tokens, {s.seconds:.1f} s"),
-        _card(f"{speed:.2f}×", "speed-up", "SDSAT ÷ vanilla tokens/s", "accent" if speed >= 1 else ""),
+        _card(f"{speed:.2f}×", "speed-up", esc(speedup_note(record)), "accent" if speed >= 1 else ""),
+        fastest_card(record),
         _card(f"{s.mean_tokens_per_iteration:.2f}", "tokens / iteration",
               f"bonus counted; {s.mean_accepted_drafts:.2f} of k = {s.k} drafts accepted"),
         _card(f"{1 / s.tokens_per_forward_pass:.2f}", "passes / token",
@@ -76,7 +112,7 @@ def headline_html(record: RaceRecord) -> str:
             f'<span>{esc(record.hardware)}</span> · '
             '<span>decoded one after the other (vanilla, then SDSAT), never at the same time</span></div>')
     return (f'<div class="headline"><div class="cards">{cards}</div>'
-            f'{check_html(record)}{why_html(record)}{limited}{meta}</div>')
+            f'{check_html(record)}{why_html(record)}{costs_html(record)}{limited}{meta}</div>')
 
 
 def progress_html(snap: RaceSnapshot | None, message: str = "") -> str:

@@ -18,6 +18,7 @@ from typing import Iterator
 from .. import hardware
 from ..decoding import GenerationResult, StepRecord
 from ..engine import Engine
+from .machine import NO_COSTS, RaceCosts, race_costs
 from .render import PieceDecoder, pieces_of
 from .settings import RunRequest
 
@@ -50,6 +51,7 @@ class RaceRecord:
     special_ids: set[int]
     hardware: str
     time_limited: bool  # a decoder hit the per-request wall-time limit
+    costs: RaceCosts | None = None  # predicted and implied speed-ups (machine.py); None where nothing was measured
 
     @property
     def greedy(self) -> bool:
@@ -78,7 +80,7 @@ class RaceRecord:
             "sdsat": self.sdsat.summary() | {"text": self.sdsat.text, "token_ids": self.sdsat.token_ids},
             "speedup": self.speedup,
             "identical": (same if self.greedy else None), "compared_tokens": compared,
-        }
+        } | (self.costs.to_dict() if self.costs is not None else NO_COSTS)
 
 
 def hardware_line(engine: Engine) -> str:
@@ -183,11 +185,13 @@ def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap
         ids.update(step.tree_tokens)  # the draft tree's candidates, drawn in the explorer
     vocab = dict(zip(sorted(ids), pieces_of_each(engine, sorted(ids))))
     special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
-    return RaceRecord(
+    record = RaceRecord(
         model=engine.name, sat_trained=engine.sat_trained, settings=request.settings(), prompt_ids=list(prompt_ids),
         vanilla=vanilla, sdsat=sdsat, pieces={m: list(snap.pieces[m]) for m in PHASES}, vocab=vocab,
         special_ids=special, hardware=hardware_line(engine),
         time_limited=any(r.stop_reason == "cancelled" for r in (vanilla, sdsat)))
+    record.costs = race_costs(engine, request.config, sdsat, record.speedup)
+    return record
 
 
 def pieces_of_each(engine: Engine, ids: list[int]) -> list[str]:
