@@ -20,8 +20,8 @@ from sdsat.ui.benchmark import bench_page, short_machine
 from sdsat.ui.chat import Chat
 from sdsat.ui.events import close_direct_routes
 from sdsat.ui.examples import CHAT_EXAMPLES, EXAMPLE_LABELS, EXAMPLES
-from sdsat.ui.handlers import RACE_INPUTS, RACE_OUTPUTS, Page
-from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, scheme_of, scheme_settings
+from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_INPUTS, RACE_OUTPUTS, Page
+from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, FALLBACK, SCHEME_LABELS
 from sdsat.ui.render import legend_html, waiting_html
 from sdsat.ui.replay import REPLAY_JS, REPLAY_STATUS
 from sdsat.sampling import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K
@@ -36,7 +36,6 @@ limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors
 chat_page = Chat(limits, page.cache)
 bench = bench_page()  # read once at start: every visitor sees the same files, and no page load reads them again
-FASTEST = scheme_settings(DEFAULT_SCHEME)
 _checkpoint = known_checkpoint(limits.models[0])
 CHAT_SHOWN = _checkpoint is None or _checkpoint.chat  # until the model has loaded and says for itself
 RAW_EXAMPLES = [(row, label) for row, label in zip(EXAMPLES, EXAMPLE_LABELS) if not row[1]]
@@ -71,20 +70,23 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                 api_visibility="private", label="Chat examples",
                                 example_labels=[label for _, label in CHAT_PROMPT_EXAMPLES])
                 scheme = gr.Radio([*SCHEME_LABELS, CUSTOM], value=DEFAULT_SCHEME, label="Scheme", elem_id="scheme",
-                                  info="fastest: the settings measured fastest (docs/results.md), beyond the paper. "
+                                  info="auto: the k, prompt lookup and draft tree predicted fastest from this "
+                                       "machine's pass costs, measured at start (see This machine, under the plots). "
                                        "paper: the paper's two-step SATs alone. Both give output identical to vanilla.")
+                # what auto chose here and why, or why it keeps its defaults (filled once the model has loaded)
+                auto_note = gr.HTML("", js_on_load=None, elem_id="auto-note")
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
-                    k = gr.Slider(1, 8, value=FASTEST["k"], step=1, label="k: adaptive tokens (drafts) per step")
+                    k = gr.Slider(1, 8, value=FALLBACK["k"], step=1, label="k: adaptive tokens (drafts) per step")
                     max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
                                         label="Max new tokens", elem_id="max-new")
-                    lookup = gr.Slider(0, 16, value=FASTEST["lookup_tokens"], step=1,
+                    lookup = gr.Slider(0, 16, value=FALLBACK["lookup_tokens"], step=1,
                                        label="Prompt lookup: copied tokens to verify (0 = off)",
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "
                                             "Fast on code, which repeats its names; outputs stay identical.")
-                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=FASTEST["tree_candidates"], step=1, elem_id="tree",
+                    tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=FALLBACK["tree_candidates"], step=1, elem_id="tree",
                                      label="Draft tree: runner-up candidates to verify too (0 = off)",
                                      info="Not in the paper, greedy only: the verify pass also checks the SATs' "
                                           "second choices, which on a CPU ride along at almost no cost.")
@@ -132,6 +134,11 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
         with gr.Row():
             position_plot = gr.Plot(label="Acceptance by draft position", show_label=False)
             pass_plot = gr.Plot(label="Time per forward pass", show_label=False)
+        # Measured when the model loaded (Engine.tune) and built once; filled on page load.
+        with gr.Accordion("This machine: what a forward pass costs here, and what auto chose", open=False,
+                          elem_id="machine-box"):
+            machine = gr.HTML("", js_on_load=None, elem_id="machine")
+            machine_plot = gr.Plot(label="Pass cost", show_label=False, elem_id="machine-plot")
         with gr.Accordion("Metrics, defined", open=False):
             gr.Markdown(
                 "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), "
@@ -152,7 +159,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             run_data = gr.JSON(label="Run data")
 
     with gr.Tab("Chat", visible=CHAT_SHOWN):  # a conversation needs the model's chat template
-        gr.Markdown("A conversation in which **every reply is decoded by SDSAT** (the fastest scheme; see Chat "
+        gr.Markdown("A conversation in which **every reply is decoded by SDSAT** (auto's settings; see Chat "
                     "settings), coloured like the race: hover a token for its step and probability. The badge under a "
                     "reply gives its tokens/s and tokens per forward pass. The check against vanilla decoding runs "
                     "**only when you press *Race this turn***, so a reply arrives as fast as SDSAT gives it and your "
@@ -214,14 +221,15 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False)
     replay_btn.click(None, js=REPLAY_JS, api_visibility="private")  # plays in the browser: no server call
     stop_btn.click(None, cancels=[race_event], api_visibility="private")
-    scheme.input(lambda name: tuple(scheme_settings(name).values()) if name != CUSTOM else (gr.skip(),) * 3, scheme,
-                 [k, lookup, tree], api_visibility="private")
+    scheme.input(page.scheme_controls, [scheme, model, mode], [k, lookup, tree], api_visibility="private")
     for slider in (k, lookup, tree):
-        slider.input(scheme_of, [k, lookup, tree], scheme, api_visibility="private")
+        slider.input(page.scheme_label, [k, lookup, tree, model, mode], scheme, api_visibility="private")
     show_rejected.change(page.sdsat_pane, [record, show_rejected], sdsat_out, api_visibility="private")
-    mode.change(lambda m: (gr.Group(visible=m == "sampling"), gr.Slider(interactive=m == "greedy")), mode,
-                [sampling_box, tree], api_visibility="private")
-    model.change(page.model_controls, model, [k, chat, chat_examples], api_visibility="private", concurrency_id="model")
+    mode.change(page.mode_controls, [mode, scheme, model], [sampling_box, k, lookup, tree], api_visibility="private")
+    model_outputs = dict(k=k, lookup_tokens=lookup, tree_candidates=tree, scheme=scheme, auto_note=auto_note, chat=chat,
+                         chat_examples=chat_examples, machine=machine, machine_plot=machine_plot)
+    model.change(page.model_controls, [model, mode], [model_outputs[n] for n in MODEL_OUTPUTS],
+                 api_visibility="private", concurrency_id="model")
     iteration.input(page.explore, [record, iteration], explorer_out, api_visibility="private", preprocess=False)
     prev_btn.click(lambda r, i: page.step(r, i, -1), [record, iteration], [iteration, explorer_out],
                    api_visibility="private", preprocess=False)
@@ -244,7 +252,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     chatbot.clear(chat_page.clear, None, [chatbot, turns], cancels=chat_events,
                   api_visibility="private")  # the Chatbot's own bin icon
     gr.api(chat_page.turn, api_name="chat", concurrency_limit=limits.concurrency, concurrency_id="model")
-    demo.load(page.model_controls_if_loaded, model, [k, chat, chat_examples, headline], api_visibility="private")
+    demo.load(page.model_controls_if_loaded, [model, mode], [*(model_outputs[n] for n in MODEL_OUTPUTS), headline],
+              api_visibility="private")
 
 close_direct_routes(demo)
 demo.queue(max_size=limits.queue_size, default_concurrency_limit=limits.concurrency, api_open=False)

@@ -18,9 +18,12 @@ import anyio.to_thread
 import gradio as gr
 
 from ..decoding import DecodeConfig
+from ..engine import Engine
 from ..models import ModelLoadError
 from . import explorer, figures, zerogpu
 from .headline import headline_html, progress_html
+from .machine import MachineView, auto_line, machine_view
+from .presets import AUTO, CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, auto_settings, scheme_of, scheme_settings
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html, vanilla_html, waiting_html
@@ -37,6 +40,9 @@ RACE_INPUTS = ("prompt", "model", "chat", "mode", "k", "max_new_tokens", "temper
 # The race's outputs, in the order `Page.race` yields them (app.py lists its components in this order).
 RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "position_plot", "pass_plot",
                 "explorer_slider", "explorer", "record", "run_data")
+# What `Page.model_controls` updates, in order (app.py lists its components in this order).
+MODEL_OUTPUTS = ("k", "lookup_tokens", "tree_candidates", "scheme", "auto_note", "chat", "chat_examples", "machine",
+                 "machine_plot")
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
 
 
@@ -99,15 +105,34 @@ class Page:
         # The GPU work of /race and /generate, booked per call on ZeroGPU (the plain methods elsewhere).
         self.race_on_gpu = zerogpu.gpu(self.race, limits.gpu_duration_s)
         self.generate_on_gpu = zerogpu.gpu(self.generate_sync, limits.gpu_duration_s)
+        # per model: the This machine panel, built once from the engine's tuning (which it was built from)
+        self._views: dict[str, tuple[object, MachineView]] = {}
 
     def preload(self) -> None:
-        """Load the first model before the first visitor (warmed up, except on ZeroGPU, where no CUDA work
-        may run outside a GPU call). On a failure the server starts anyway: the page shows why, and a
-        later request tries again."""
+        """Load the first model before the first visitor: measure this machine's pass costs for auto
+        (`Engine.tune`, part of the cache's load), warm it up and build the This machine panel. Not on
+        ZeroGPU, where no CUDA work may run outside a GPU call: there the model is only loaded. On a failure
+        the server starts anyway: the page shows why, and a later request tries again."""
         try:
-            self.cache.get(self.limits.models[0], warm_up=not zerogpu.on_zero_gpu())
+            engine = self.cache.get(self.limits.models[0], warm_up=not zerogpu.on_zero_gpu())
         except ModelLoadError:
-            pass  # the cache has logged why and keeps the reason for the page
+            return  # the cache has logged why and keeps the reason for the page
+        self.machine(engine)
+
+    def machine(self, engine: Engine) -> MachineView:
+        """The This machine panel of `engine`, built once per measurement."""
+        built = self._views.get(engine.name)
+        if built is None or built[0] is not engine.tuning:
+            built = self._views[engine.name] = (engine.tuning, machine_view(engine))
+        return built[1]
+
+    def auto_values(self, model: str, mode: str) -> dict:
+        """auto's k, lookup_tokens and tree_candidates for `model` as loaded now (its plan for greedy or
+        sampling; the fallback before it loads). Never loads a model."""
+        engine = self.cache.get(model) if self.cache.is_loaded(model) else None
+        if engine is None:
+            return auto_settings(None)
+        return auto_settings(engine.tuning, mode != "sampling", engine.max_k)
 
     # -- settings ------------------------------------------------------------------------------
     def _engine(self, model: str):
@@ -123,27 +148,56 @@ class Page:
                            "tries again.", title="Model unavailable", print_exception=False) from None
 
     @visitor_errors
-    def model_controls(self, model: str) -> tuple:
-        """The controls that depend on `model`: (k slider, chat checkbox, chat examples), loading it if needed.
+    def model_controls(self, model: str, mode: str = "greedy") -> tuple:
+        """The controls that depend on `model`, in MODEL_OUTPUTS order, loading it if needed.
 
-        The k range is 1..the model's number of SATs; the chat checkbox and examples show only where
-        the model has a chat template it is meant for.
+        The scheme goes to auto and the sliders to auto's plan for this machine (k within 1..the model's
+        number of SATs); the line under the scheme says what auto chose and why. The chat checkbox and
+        examples show only where the model has a chat template it is meant for.
         """
         engine = self._engine(model)
         chat = engine.chat_available
-        return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=min(DecodeConfig.k, engine.max_k)),
-                gr.update(visible=chat, value=False), gr.update(visible=chat))
+        chosen = auto_settings(engine.tuning, mode != "sampling", engine.max_k)
+        view = self.machine(engine)
+        return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=chosen["k"]),
+                gr.update(value=chosen["lookup_tokens"]), gr.update(value=chosen["tree_candidates"]),
+                gr.update(value=DEFAULT_SCHEME), auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling")),
+                gr.update(visible=chat, value=False), gr.update(visible=chat), view.html, view.figure)
 
     @visitor_errors
-    def model_controls_if_loaded(self, model: str) -> tuple:
-        """On page load: the controls of an already loaded model, without waiting behind running races
-        (or loads); a model whose last load failed says why in the headline."""
+    def model_controls_if_loaded(self, model: str, mode: str = "greedy") -> tuple:
+        """On page load: the controls of an already loaded model (MODEL_OUTPUTS, then the headline), without
+        waiting behind running races (or loads); a model whose last load failed says why in the headline."""
         if self.cache.is_loaded(model):
-            return (*self.model_controls(model), gr.skip())
+            return (*self.model_controls(model, mode), gr.skip())
         failure = self.cache.failure(model)
         note = (gr.update(value=f'<div class="check bad">The model could not be loaded: {esc(without_paths(failure))}. '
                                 'The next race tries again.</div>') if failure else gr.skip())
-        return gr.skip(), gr.skip(), gr.skip(), note
+        return (*[gr.skip()] * len(MODEL_OUTPUTS), note)
+
+    @visitor_errors
+    def scheme_controls(self, scheme: str, model: str, mode: str) -> tuple:
+        """The sliders (k, lookup, tree) for a scheme picked on the radio: auto's plan for the loaded model and
+        this mode, a fixed scheme's values, or as they are for custom."""
+        if scheme == CUSTOM:
+            return gr.skip(), gr.skip(), gr.skip()
+        values = _checked(scheme_settings, scheme, self.auto_values(model, mode))
+        return values["k"], values["lookup_tokens"], values["tree_candidates"]
+
+    @visitor_errors
+    def scheme_label(self, k, lookup_tokens, tree_candidates, model: str, mode: str) -> str:
+        """The radio's label for slider values a visitor set (CUSTOM when no scheme has them)."""
+        return scheme_of(k, lookup_tokens, tree_candidates, self.auto_values(model, mode))
+
+    @visitor_errors
+    def mode_controls(self, mode: str, scheme: str, model: str) -> tuple:
+        """(sampling settings, k, lookup, tree) for a decoding mode: sampling shows its settings and greys out
+        the tree (greedy only); under auto the sliders follow auto's plan for that mode."""
+        sampling = mode == "sampling"
+        values = self.auto_values(model, mode) if SCHEME_LABELS.get(scheme) == AUTO else {}
+        tree = {"value": values["tree_candidates"]} if values else {}
+        return (gr.update(visible=sampling), values.get("k", gr.skip()), values.get("lookup_tokens", gr.skip()),
+                gr.update(interactive=not sampling, **tree))
 
     def prepare(self, inputs: Mapping) -> tuple:
         """Parse the request, load the model, check the settings once, encode the prompt:
@@ -172,7 +226,8 @@ class Page:
         skip = gr.skip()
         show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
         if not self.cache.is_loaded(model) and model in self.limits.models:
-            yield (progress_html(None, f"Loading {model}… (first start of a model; later runs begin at once)"),
+            yield (progress_html(None, f"Loading {model} and measuring this machine's pass costs… (first start of "
+                                       "a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
         engine, request, prompt_ids = self.prepare(inputs)
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
@@ -275,6 +330,11 @@ class Page:
         return make_record(engine, request, prompt_ids, snap).to_dict()
 
 
+def auto_note_html(line: str) -> str:
+    """The line under the scheme radio: what auto chose on this machine, or why it keeps its defaults."""
+    return f'<div class="auto-note muted">{esc(line)}</div>'
+
+
 def _iterations(record: RaceRecord | None) -> int:
     return len(record.sdsat.steps) if record is not None else 1
 
@@ -287,4 +347,4 @@ def _checked(check, *args):
         raise invalid(err) from None
 
 
-__all__ = ["Page", "RACE_INPUTS", "RACE_OUTPUTS"]
+__all__ = ["MODEL_OUTPUTS", "Page", "RACE_INPUTS", "RACE_OUTPUTS"]

@@ -14,6 +14,7 @@ from ..engine import Engine
 from ..errors import first_line
 from ..models import LoadConfig, ModelLoadError
 from .settings import Limits, SettingError
+from .zerogpu import on_zero_gpu
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class EngineCache:
         return str(recorded[1]) if recorded else None
 
     def get(self, name: str, warm_up: bool = True) -> Engine:
-        """The engine for `name`, loading it (and, with `warm_up`, running a few tokens) on first use.
+        """The engine for `name`, loading it on first use; with `warm_up`, it also measures this machine for
+        auto (`_measure`) and runs a few tokens.
 
         Raises:
             SettingError: `name` is not on the operator's list.
@@ -72,6 +74,7 @@ class EngineCache:
         try:
             engine = Engine.load(config)
             if warm_up:
+                _measure(engine)
                 _warm_up(engine)
         except Exception as err:  # whatever breaks a load, the server keeps serving and says why
             error = err if isinstance(err, ModelLoadError) else ModelLoadError(
@@ -88,6 +91,19 @@ class EngineCache:
         if recorded and time.monotonic() - recorded[0] < self.limits.load_retry_s:
             raise recorded[1]
 
+
+
+def _measure(engine: Engine) -> None:
+    """This machine's pass costs and auto's plan (`Engine.tune`, which may move the model to the precision it
+    chooses), once per load and before any request decodes. Not on ZeroGPU, where a GPU is attached only inside
+    a request. A failure leaves the engine unmeasured (the page then keeps its default settings and says so)."""
+    if on_zero_gpu():
+        return
+    try:
+        engine.tune()
+    except Exception as err:  # the model still decodes; only auto's plan is missing
+        log.warning("could not measure the pass costs of %s (%s: %s); auto keeps its default settings", engine.name,
+                    type(err).__name__, first_line(err), exc_info=True)
 
 
 def _warm_up(engine: Engine) -> None:
