@@ -43,6 +43,28 @@ def default_engine():
     return Engine.load()
 
 
+@pytest.fixture(scope="module")
+def tuned_engine(default_engine):
+    """The default engine as `Engine.tune` leaves it, measured quickly (its loaded precision only, a short cost
+    curve of one round: no figure in a test depends on timings); afterwards as loaded, for the other tests."""
+    from sdsat import tuning
+    from sdsat.costs import measure_curve
+
+    def quick(sat_model, **kwargs):
+        return measure_curve(sat_model, **(dict(widths=(1, 2, 4, 8, 16), context=32, repeats=1) | kwargs))
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tuning, "measure_curve", quick)
+    try:
+        default_engine.tuning = tuning.tune(default_engine.sat_model, default_engine.name, fixed_dtype=True,
+                                            cache_file=None)
+        yield default_engine
+    finally:
+        patch.undo()
+        tuning.set_precision(default_engine.sat_model, "float32", form=tuning.ROUTED)
+        default_engine.tuning = None
+
+
 @pytest.fixture(scope="session")
 def real_tokenizer():
     """The default model's tokenizer; tiny models use its first ids."""

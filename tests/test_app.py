@@ -5,17 +5,24 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import gradio as gr
 import pytest
 from conftest import OUR_TAGS, parse_html
 
+from sdsat import tuning
+from sdsat.costs import CostCurve, RowCheck
 from sdsat.decoding import StepRecord
+from sdsat.hardware import hardware_line
 from sdsat.models import DEFAULT_MODEL
+from sdsat.planner import Settings, predict
 from sdsat.ui import benchmark, explorer
-from sdsat.ui.handlers import RACE_OUTPUTS, Page
-from sdsat.ui.presets import DEFAULT_SCHEME
+from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, Page
+from sdsat.ui.headline import headline_html
+from sdsat.ui.machine import race_costs
+from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, FALLBACK, SCHEME_LABELS
 from sdsat.ui.race import make_record, race
 from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
@@ -440,6 +447,141 @@ def test_time_limit_stops_each_decoder(page, default_engine):
 
 def test_explorer_without_a_run():
     assert "Run a prompt" in explorer.explorer_html(None, 0)
+
+
+# -- auto and this machine (issue 15) -----------------------------------------------------------------------
+PAPER = next(label for label, key in SCHEME_LABELS.items() if key == "paper")
+REPEATING = "red, green, blue, red, green, blue, red, green, blue, red,"  # prompt lookup finds copies in it
+
+
+def _values(settings: Settings) -> tuple:
+    return settings.k, settings.lookup_tokens, settings.tree_candidates
+
+
+def test_auto_is_the_default_scheme_and_takes_the_machines_plan(page, tuned_engine):
+    measured = tuned_engine.tuning
+    greedy, sampled = (measured.plan_for(("two_step",), g) for g in (True, False))
+    assert SCHEME_LABELS[DEFAULT_SCHEME] == AUTO and sampled.settings.tree_candidates == 0
+    controls = dict(zip(MODEL_OUTPUTS, page.model_controls(DEFAULT_MODEL)))
+    assert tuple(controls[n]["value"] for n in ("k", "lookup_tokens", "tree_candidates")) == _values(greedy.settings)
+    assert controls["scheme"]["value"] == DEFAULT_SCHEME and esc(greedy.reason) in controls["auto_note"]
+    assert page.scheme_controls(DEFAULT_SCHEME, DEFAULT_MODEL, "greedy") == _values(greedy.settings)
+    assert page.scheme_controls(DEFAULT_SCHEME, DEFAULT_MODEL, "sampling") == _values(sampled.settings)
+    assert page.scheme_label(*_values(greedy.settings), DEFAULT_MODEL, "greedy") == DEFAULT_SCHEME
+    assert page.scheme_controls(PAPER, DEFAULT_MODEL, "greedy") == (3, 0, 0)
+    if _values(greedy.settings) != (3, 0, 0):
+        assert page.scheme_label(3, 0, 0, DEFAULT_MODEL, "greedy") == PAPER
+    # Switching to sampling under auto: the plan without a tree, and the tree greyed out.
+    _, k, lookup, tree = page.mode_controls("sampling", DEFAULT_SCHEME, DEFAULT_MODEL)
+    assert (k, lookup, tree["value"], tree["interactive"]) == (*_values(sampled.settings)[:2], 0, False)
+    # The Chat tab's auto decodes with the same plan.
+    from sdsat.ui.chat import Chat
+
+    *_, (_, turns, _) = Chat(page.limits, page.cache).respond("Hi.", [], DEFAULT_MODEL, DEFAULT_SCHEME, "greedy",
+                                                              1.0, 4)
+    config = turns[0].request.config
+    assert (config.k, config.lookup_tokens, config.tree_candidates) == _values(greedy.settings)
+
+
+def _with_faster_bfloat16(measured: tuning.Tuning) -> tuning.Tuning:
+    """`measured` as if bfloat16 had been measured too: its passes at half float32's, its rows moving."""
+    curve = measured.curves["float32"]
+    faster = CostCurve("bfloat16", {w: 0.5 * s for w, s in curve.plain.items()},
+                       {k: 0.5 * s for k, s in curve.draft.items()})
+    moving = RowCheck(rows=75, bit_equal=5, argmax_equal=70, max_drift=0.3)
+    return replace(measured, curves=measured.curves | {"bfloat16": faster}, rows=measured.rows | {"bfloat16": moving},
+                   forms=measured.forms | {"bfloat16": tuning.ROUTED})
+
+
+def test_this_machine_shows_a_curve_per_precision_and_the_chosen_passes(page, tuned_engine, monkeypatch):
+    measured = tuned_engine.tuning
+    settings = measured.plan_for(("two_step",), True).settings
+    view = page.machine(tuned_engine)
+    assert page.machine(tuned_engine) is view  # built once per measurement
+    text = "".join(parse_html(view.html).text)
+    assert hardware_line(tuned_engine.model) in text and measured.plan_for(("two_step",), True).reason in text
+    lines = [t.name for t in view.figure.data if t.mode == "lines+markers"]
+    assert [name.split(":")[0] for name in lines] == [measured.names["float32"]]
+    chosen = next(t for t in view.figure.data if t.name.startswith("these settings"))
+    assert list(chosen.x) == [settings.k + 1, 1 + settings.k + settings.tree_candidates] + (
+        [1 + settings.lookup_tokens] if settings.lookup_tokens else [])
+    curve = measured.curves["float32"]
+    assert list(chosen.y)[:2] == [curve.draft_s(settings.k) / curve.one_token_s,
+                                  curve.pass_s(1 + settings.k + settings.tree_candidates) / curve.one_token_s]
+    # Two precisions measured: a line each, and the one SDSAT may not use says why.
+    monkeypatch.setattr(tuned_engine, "tuning", _with_faster_bfloat16(measured))
+    view = page.machine(tuned_engine)
+    names = [t.name for t in view.figure.data if t.mode == "lines+markers"]
+    assert len(names) == 2 and "bfloat16 routed" in names[1] and "vanilla only" in names[1]
+    text = "".join(parse_html(view.html).text)
+    assert ("bfloat16 routed: " in text and "(the fastest vanilla here)" in text
+            and "5 of 75 rows change their top token when batched" in text)
+
+
+def test_race_shows_predicted_and_implied_speedups_beside_the_achieved(page, tuned_engine, monkeypatch):
+    measured = tuned_engine.tuning
+    settings = dict(prompt=REPEATING, k=3, max_new_tokens=20, lookup_tokens=6, tree_candidates=2)
+    final = dict(zip(RACE_OUTPUTS, list(page.race(**(GOOD | settings), show_rejected=False))[-1]))
+    data, record = final["run_data"], final["record"]
+    assert data["identical"] is True and json.dumps(data)
+    # Implied: the race's tokens ÷ its passes priced from the curve, each pass's width read from the records.
+    curve = measured.curves["float32"]
+    cost = 0.0
+    for step in record.sdsat.steps:
+        verified = len(step.tree_paths) if step.kind == "tree" else step.k  # tree nodes, SAT drafts or copies
+        cost += (curve.draft_s(3) if step.draft_pass else 0.0) / curve.one_token_s
+        cost += curve.pass_s(1 + verified) / curve.one_token_s
+    assert data["implied_speedup"] == pytest.approx(data["sdsat"]["new_tokens"] / cost)
+    predicted = predict(measured.trace, Settings("two_step", 3, 6, 2), curve, curve.one_token_s).speedup
+    assert data["predicted_speedup"] == pytest.approx(predicted)
+    for value in (data["implied_speedup"], data["predicted_speedup"]):
+        assert 0 < value < float("inf")
+    assert (f"predicted {data['predicted_speedup']:.2f}×" in final["headline"]
+            and f"its passes imply {data['implied_speedup']:.2f}×" in final["headline"])
+    assert data["cost_curve"]["decoding"] == measured.names["float32"] and data["auto"]["plan"] == measured.plan_for(
+        ("two_step",), True).to_dict()
+    fastest = data["fastest_vanilla"]
+    assert fastest["speedup"] == pytest.approx(data["speedup"] * (
+        fastest["ms_per_token"] / data["cost_curve"]["one_token_ms"] if fastest["estimated"] else 1))
+    # Where another vanilla is faster, the page also gives the speed-up against it, estimated, and names it.
+    monkeypatch.setattr(tuned_engine, "tuning", _with_faster_bfloat16(measured))
+    config = parse_request(page.limits, GOOD | settings).config
+    costs = race_costs(tuned_engine, config, record.sdsat, record.speedup)
+    assert costs.estimated and costs.fastest == "bfloat16 routed"
+    assert costs.vs_fastest == pytest.approx(record.speedup * 0.5)
+    headline = headline_html(replace(record, costs=costs))
+    assert (f"≈{costs.vs_fastest:.2f}×" in headline and "vs the fastest vanilla here" in headline
+            and "bfloat16 routed vanilla" in headline and "estimated from the load-time measurement" in headline)
+
+
+def test_without_a_trace_auto_keeps_the_defaults_and_says_why(page, tuned_engine, monkeypatch):
+    monkeypatch.setattr(tuning, "load_trace", lambda sat_model: None)  # SATs that ship no acceptance trace
+    untraced = tuning.tune(tuned_engine.sat_model, tuned_engine.name, fixed_dtype=True, cache_file=None)
+    assert untraced.plan is None and untraced.note
+    monkeypatch.setattr(tuned_engine, "tuning", untraced)
+    controls = dict(zip(MODEL_OUTPUTS, page.model_controls(DEFAULT_MODEL)))
+    assert {n: controls[n]["value"] for n in ("k", "lookup_tokens", "tree_candidates")} == FALLBACK
+    assert esc(untraced.note) in controls["auto_note"] and esc(untraced.note) in page.machine(tuned_engine).html
+    data = page.generate_sync(GOOD | dict(max_new_tokens=6))
+    assert data["predicted_speedup"] is None and data["implied_speedup"] > 0
+    assert data["auto"] == {"plan": None, "note": untraced.note, "used": False}
+
+
+def test_preload_measures_the_machine_before_the_first_visitor(default_engine, monkeypatch):
+    calls = []
+    monkeypatch.setattr("sdsat.ui.registry.Engine.load", lambda config, sats=None: default_engine)
+    monkeypatch.setattr(default_engine, "tune", lambda: calls.append("tune") or default_engine.tuning)
+    monkeypatch.setattr(default_engine, "tuning", None)
+    page, zero = Page(Limits()), Page(Limits())
+    page.preload()
+    assert calls == ["tune"] and page.cache.is_loaded(DEFAULT_MODEL)
+    # On ZeroGPU no CUDA work may run outside a GPU call: the model loads, unmeasured, and the page says so.
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")
+    zero.preload()
+    assert calls == ["tune"] and zero.cache.is_loaded(DEFAULT_MODEL)
+    controls = dict(zip(MODEL_OUTPUTS, zero.model_controls(DEFAULT_MODEL)))
+    assert "not measured on ZeroGPU" in controls["auto_note"] and controls["k"]["value"] == FALLBACK["k"]
+    assert zero.generate_sync(GOOD | dict(max_new_tokens=3))["predicted_speedup"] is None
 
 
 # -- benchmark tab ----------------------------------------------------------------------------------------

@@ -24,10 +24,11 @@ RACE_ARGS = dict(prompt="def add(a, b):\n", model="smollm2-135m-instruct", chat=
 
 
 @pytest.fixture(scope="module")
-def server(default_engine):
+def server(tuned_engine):
+    """The app on localhost, its model measured for auto (quickly: see conftest's tuned_engine)."""
     import app
 
-    app.page.cache.add(default_engine)
+    app.page.cache.add(tuned_engine)
     _, url, _ = app.demo.launch(prevent_thread_lock=True, quiet=True, server_name="127.0.0.1", **app.LAUNCH_OPTIONS)
     try:
         yield url
@@ -47,6 +48,9 @@ def test_generate_api_greedy_is_identical_and_adds_up(server):
     assert s["new_tokens"] == len(s["token_ids"]) and s["forward_passes"] == 2 * s["iterations"]
     assert abs(s["tokens_per_second"] - s["new_tokens"] / s["seconds"]) < 1e-6
     assert data["sequential"] is True and data["settings"]["k"] == 4
+    # Beside the achieved speed-up: the planner's prediction for these settings and what this race's passes imply.
+    assert all(0 < data[name] < float("inf") for name in ("predicted_speedup", "implied_speedup"))
+    assert data["fastest_vanilla"]["speedup"] > 0 and data["auto"]["plan"]["reason"]
     # With prompt lookup on a prompt that repeats itself: still identical, in fewer passes than 2 per iteration.
     pattern = "red, green, blue, red, green, blue, red, green, blue, red,"
     data = client.predict(**(RACE_ARGS | dict(prompt=pattern, max_new_tokens=16, lookup_tokens=6)),
@@ -222,9 +226,11 @@ def _run_race(page, max_new: str | None = None):
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_default_race_leads_with_the_fastest_scheme_and_yields_code(server):
-    """The page opens on a code example and the fastest scheme; its race gives code, not prose. The paper's
-    scheme is one click away, and a chat example asking for a function gives code too."""
+def test_browser_default_race_leads_with_auto_and_yields_code(server, tuned_engine):
+    """The page opens on a code example and auto, its sliders on this machine's plan; its race gives code, not
+    prose, with the predicted speed-up beside the achieved one, and This machine shows the measured pass costs.
+    The paper's scheme is one click away, and a chat example asking for a function gives code too."""
+    plan = tuned_engine.tuning.plan_for(("two_step",), True)
     sync_api = pytest.importorskip("playwright.sync_api")
     SCREENS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
@@ -232,14 +238,22 @@ def test_browser_default_race_leads_with_the_fastest_scheme_and_yields_code(serv
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
             page.goto(server)
-            assert page.get_by_label("fastest (SATs + prompt lookup + draft tree)").is_checked()
-            assert page.locator("#tree input[type=number]").input_value() == "2"
+            assert page.get_by_label("auto (predicted fastest on this machine)").is_checked()
+            tree = str(plan.settings.tree_candidates)
+            page.wait_for_function(f"document.querySelector('#tree input[type=number]').value === '{tree}'",
+                                   timeout=30_000)
+            assert plan.reason in page.locator("#auto-note").inner_text()
             _run_race(page)  # the default prompt and settings, as a visitor first sees them
+            assert "predicted" in page.locator(".headline .card.accent").inner_text()
             text = page.locator("#sdsat-out .sdsat-out").inner_text()
             assert "return" in text and "\n    " in text, text  # an indented function body
             assert not text.lstrip().startswith("```"), text
             assert page.locator("#sdsat-out .tok.src-copy, #sdsat-out .tok.src-draft").count() > 0
             page.screenshot(path=str(SCREENS / "desktop_race.png"))
+            page.get_by_text("This machine: what a forward pass costs here").click()
+            page.locator("#machine-plot .js-plotly-plot").wait_for(timeout=30_000)
+            assert "ms per one-token pass" in page.locator("#machine").inner_text()
+            page.locator("#machine-box").screenshot(path=str(SCREENS / "this_machine.png"))
             page.get_by_label("paper (two-step SATs only)").check()
             page.locator("#tree input[type=number]").wait_for(timeout=5_000)
             page.wait_for_function("document.querySelector('#tree input[type=number]').value === '0'", timeout=10_000)
