@@ -581,6 +581,7 @@ def test_preload_measures_the_machine_before_the_first_visitor(default_engine, m
     assert calls == ["tune"] and zero.cache.is_loaded(DEFAULT_MODEL)
     controls = dict(zip(MODEL_OUTPUTS, zero.model_controls(DEFAULT_MODEL)))
     assert "not measured on ZeroGPU" in controls["auto_note"] and controls["k"]["value"] == FALLBACK["k"]
+    assert "not measured on ZeroGPU" in controls["machine"]  # and no GPU named: that would start CUDA
     assert zero.generate_sync(GOOD | dict(max_new_tokens=3))["predicted_speedup"] is None
 
 

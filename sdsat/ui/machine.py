@@ -86,6 +86,8 @@ def machine_view(engine: Engine) -> MachineView:
     the cost-curve figure."""
     tuning = engine.tuning
     chosen = auto_settings(tuning, max_k=engine.max_k)
+    if on_zero_gpu():  # naming the GPU would start CUDA outside a GPU call
+        return MachineView(_lines_html([not_measured(chosen)]), figures.empty_figure("Not measured on ZeroGPU"))
     lines = [hardware_line(engine.model)]
     if tuning is None or not tuning.curves:
         lines.append(not_measured(chosen))
