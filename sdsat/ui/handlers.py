@@ -105,7 +105,7 @@ class Page:
         # The GPU work of /race and /generate, booked per call on ZeroGPU (the plain methods elsewhere).
         self.race_on_gpu = zerogpu.gpu(self.race, limits.gpu_duration_s)
         self.generate_on_gpu = zerogpu.gpu(self.generate_sync, limits.gpu_duration_s)
-        # per model: the This machine panel, built once from the engine's tuning (which it was built from)
+        # per model: (the engine's tuning, the This machine panel built from it), so it is built once per measurement
         self._views: dict[str, tuple[object, MachineView]] = {}
 
     def preload(self) -> None:
