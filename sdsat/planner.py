@@ -139,11 +139,12 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
         return len(copies), right
 
     if settings.scheme == "fused":
-        # One draft pass, then passes of [start, k drafts, k SATs] that verify and draft at once.
+        # One draft pass, then passes that verify [start, k drafts] and anchor a run of k SATs after each of
+        # those tokens ((k + 1)² positions, as verify.py builds them), priced as a draft block that wide.
         seconds, passes, n = curve.draft_s(k), 1, 1
         while n < total:
             a = _accepted(DraftTree.for_k(k, 0), ranks[n - 1][:k]) if n - 1 < len(ranks) else 0
-            seconds += curve.draft_s(k) * curve.pass_s(2 * k + 1) / curve.pass_s(k + 1)
+            seconds += curve.draft_s(k) * curve.pass_s((k + 1) ** 2) / curve.pass_s(k + 1)
             passes += 1
             n += a + 1
         return total, passes, seconds

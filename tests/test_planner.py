@@ -16,7 +16,7 @@ from sdsat.tree import MAX_EXTRA
 
 def curve(cost, dtype="float32", one=0.04, sat_overhead=1.1) -> CostCurve:
     """A curve whose pass over w tokens costs one * cost(w); draft passes pay `sat_overhead` on top."""
-    plain = {w: one * cost(w) for w in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)}
+    plain = {w: one * cost(w) for w in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)}
     return CostCurve(dtype, plain, {k: one * cost(k + 1) * sat_overhead for k in range(1, 9)})
 
 
@@ -90,8 +90,9 @@ def test_steep_curve_chooses_few_drafts_and_says_when_nothing_beats_vanilla():
 
 
 def test_moderate_curve_lies_between():
-    moderate = choose([curve(lambda w: 1 + 0.08 * (w - 1))], synthetic_trace(), max_k=6).settings
-    flat = choose([curve(FLAT)], synthetic_trace(), max_k=6).settings
+    two_step = ("two_step",)
+    moderate = choose([curve(lambda w: 1 + 0.08 * (w - 1))], synthetic_trace(), max_k=6, schemes=two_step).settings
+    flat = choose([curve(FLAT)], synthetic_trace(), max_k=6, schemes=two_step).settings
     assert 1 <= moderate.k <= flat.k
     assert moderate.tree_candidates <= flat.tree_candidates
 
