@@ -241,15 +241,17 @@ def _prepare(args) -> _Bench:
 
 
 def _baseline_precisions(args, engine) -> tuple[str, ...]:
-    """The precisions other than the main engine's that vanilla also runs in (none without vanilla)."""
-    from ..tuning import dtype_name, precisions_to_try
+    """The precisions vanilla also runs in, each on an engine loaded as a plain start loads it (the routed
+    kernels; none without vanilla). The main engine's own precision is among them only when tuning left it
+    in another form (row-invariant), whose vanilla may be slower than that precision's fastest."""
+    from ..tuning import ROUTED, dtype_name, form_of, precisions_to_try
 
-    main = dtype_name(engine.model)
     if "vanilla" not in args.methods or args.baseline_precisions == ["none"]:
         return ()
     wanted = (precisions_to_try(engine.model, fixed=False) if args.baseline_precisions == ["auto"]
               else args.baseline_precisions)
-    return tuple(p for p in dict.fromkeys(wanted) if p != main)
+    plain = form_of(engine.model) == ROUTED
+    return tuple(p for p in dict.fromkeys(wanted) if not (plain and p == dtype_name(engine.model)))
 
 
 def _load_baselines(args, precisions: tuple[str, ...]) -> dict:

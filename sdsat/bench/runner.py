@@ -20,6 +20,7 @@ import torch
 from ..cpu_kernels import installed_plan
 from ..hardware import describe
 from ..engine import Engine
+from ..tuning import form_of
 from .humaneval import check_completion
 from .methods import GREEDY_METHODS, METHODS, Measurement, Variant, measure, run_label
 from .prompts import BenchPrompt
@@ -160,6 +161,7 @@ def machine_info(engine: Engine) -> dict:
     plan = installed_plan(engine.model)
     return describe(engine.model) | {
         "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)",
+        "form": form_of(engine.model),  # tuning.ROUTED or INVARIANT: the kernels every method but baselines ran
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -169,11 +171,11 @@ def machine_info(engine: Engine) -> dict:
 
 
 def baseline_info(baselines: dict[str, Engine]) -> dict:
-    """Per precision of the baseline engines: its dtype, attention kernel and CPU kernel plan."""
+    """Per precision of the baseline engines: its dtype, kernel form, attention kernel and CPU kernel plan."""
     info = {}
     for precision, engine in baselines.items():
         plan = installed_plan(engine.model)
-        info[precision] = {"dtype": describe(engine.model)["dtype"],
+        info[precision] = {"dtype": describe(engine.model)["dtype"], "form": form_of(engine.model),
                            "attention": getattr(engine.model.config, "_attn_implementation", None),
                            "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)"}
     return info

@@ -128,8 +128,11 @@ def _baseline_notes(payload: dict) -> list[str]:
     vanillas = [r for r in payload["summary"]["variants"] if r["method"] == "vanilla"]
     if not fastest or not vanillas:
         return []
-    main = payload["meta"]["machine"]["dtype"]
-    names = {r["label"]: f"{r['precision'] or main} (`{r['label']}`)" for r in vanillas}
+    meta = payload["meta"]
+    forms = {p: f"{p} {b['form']}" if b.get("form") else p for p, b in (meta.get("baselines") or {}).items()}
+    main = " ".join(filter(None, (meta["machine"]["dtype"], meta["machine"].get("form"))))
+    names = {r["label"]: f"{forms.get(r['precision'], r['precision']) if r['precision'] else main} (`{r['label']}`)"
+             for r in vanillas}
     prompts = len(fastest["by_prompt"])
     if len(vanillas) == 1:
         return [f"- Fastest vanilla: {names[vanillas[0]['label']]}, the only precision vanilla ran in; speed-ups vs "
@@ -152,9 +155,8 @@ def _auto_notes(payload: dict) -> list[str]:
         if plan is None:
             out.append(f"- `{row['label']}`: no plan ({auto.get('note') or 'no tuning'}); it ran the default settings.")
             continue
-        achieved = headline_speedup(row)
-        out.append(f"- `{row['label']}`: {plan['reason']}; predicted {plan['predicted_speedup']:.2f}× the fastest "
-                   f"vanilla, measured {_num(achieved, '.2f', '×')} here.")
+        out.append(f"- `{row['label']}` (the tuning's plan): {plan['reason']}. Measured here: "
+                   f"{_num(headline_speedup(row), '.2f', '×')} the fastest vanilla.")
     return out
 
 
