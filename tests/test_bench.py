@@ -481,24 +481,33 @@ def test_auto_and_baseline_variants_are_named_by_what_they_run():
     assert run_label(run) == "sdsat_greedy auto (no plan: k=2)"
 
 
-def test_baseline_precisions_are_the_tuners_besides_the_main_engines_own_form(tiny_llama):
+def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_main_engines(tiny_llama):
     import argparse
     import types
 
     from sdsat import cpu_kernels
+    from sdsat.costs import CostCurve
+    from sdsat.tuning import INVARIANT, ROUTED
 
-    engine = types.SimpleNamespace(model=tiny_llama)
+    engine = types.SimpleNamespace(model=tiny_llama, tuning=None)
 
     def chosen(*precisions, methods=("vanilla",)):
         args = argparse.Namespace(methods=list(methods), baseline_precisions=list(precisions))
-        return cli._baseline_precisions(args, engine)
+        return cli.baseline_precisions(args, engine)
 
-    assert chosen("auto") == ("bfloat16",)  # float32 is the main engine's, in the routed form a plain load has
-    assert chosen("none") == () and chosen("auto", methods=("sdsat_greedy",)) == ()
-    assert chosen("float16", "float32", "float16") == ("float16",)
-    if cpu_kernels.invariant_available():  # left in the row-invariant form, its own precision runs plain as well
+    # Without a tuning: the routed form a plain start loads, and float32 is the main engine's already.
+    assert chosen("auto") == {"bfloat16": ROUTED}
+    assert chosen("none") == {} and chosen("auto", methods=("sdsat_greedy",)) == {}
+    assert chosen("float16", "float32", "float16") == {"float16": ROUTED}
+    # A tuning that timed bfloat16's row-invariant one-token pass faster than its routed one.
+    engine.tuning = types.SimpleNamespace(forms={"bfloat16": INVARIANT}, vanilla_s={"bfloat16 routed": 0.04},
+                                          curves={"bfloat16": CostCurve("bfloat16", {1: 0.03})})
+    assert chosen("auto") == {"bfloat16": INVARIANT}
+    engine.tuning.vanilla_s["bfloat16 routed"] = 0.02
+    assert chosen("auto") == {"bfloat16": ROUTED}
+    if cpu_kernels.invariant_available():  # the main engine left in the row-invariant form: float32 routed runs too
         cpu_kernels.install(tiny_llama, cpu_kernels.invariant_plan(tiny_llama))
-        assert chosen("auto") == ("float32", "bfloat16")
+        assert chosen("auto") == {"float32": ROUTED, "bfloat16": ROUTED}
     with pytest.raises(SystemExit):
         cli.parse_args(["--baseline-precisions", "auto", "bfloat16"])
 

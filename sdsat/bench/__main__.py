@@ -219,11 +219,11 @@ def _prepare(args) -> _Bench:
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup_tokens=args.warmup_tokens,
                          lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram,
                          tree_candidates=args.tree_candidates)
-    precisions = _baseline_precisions(args, engine)
+    precisions = baseline_precisions(args, engine)
     try:
         variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
                                  config.lookup_tokens, engine.max_k, tuple(args.schemes), config.tree_candidates,
-                                 auto=auto, baselines=precisions)
+                                 auto=auto, baselines=tuple(precisions))
     except ValueError as err:
         raise _Refused(err) from None
     baselines = _load_baselines(args, precisions)
@@ -240,33 +240,50 @@ def _prepare(args) -> _Bench:
     return _Bench(engine, baselines, config, variants, prompts, prompt_ids, skipped)
 
 
-def _baseline_precisions(args, engine) -> tuple[str, ...]:
-    """The precisions vanilla also runs in, each on an engine loaded as a plain start loads it (the routed
-    kernels; none without vanilla). The main engine's own precision is among them only when tuning left it
-    in another form (row-invariant), whose vanilla may be slower than that precision's fastest."""
-    from ..tuning import ROUTED, dtype_name, form_of, precisions_to_try
+def baseline_precisions(args, engine) -> dict[str, str]:
+    """The precisions vanilla also runs in, each on an engine of its own, and the kernel form it runs in there
+    (tuning.ROUTED or INVARIANT); none without vanilla.
+
+    Each precision runs in the form the tuning timed fastest for a one-token pass, or the routed form a plain
+    start loads when there is no tuning (no auto recipe) or it did not time both. The main engine's own
+    precision is among them only when that form is not the main engine's (tuning may have left it in the
+    row-invariant form, whose vanilla can be slower).
+    """
+    from ..tuning import INVARIANT, ROUTED, dtype_name, form_of, precisions_to_try
 
     if "vanilla" not in args.methods or args.baseline_precisions == ["none"]:
-        return ()
+        return {}
     wanted = (precisions_to_try(engine.model, fixed=False) if args.baseline_precisions == ["auto"]
               else args.baseline_precisions)
-    plain = form_of(engine.model) == ROUTED
-    return tuple(p for p in dict.fromkeys(wanted) if not (plain and p == dtype_name(engine.model)))
+    tuning = getattr(engine, "tuning", None)
+    forms = {}
+    for precision in dict.fromkeys(wanted):
+        form = ROUTED
+        if tuning is not None and tuning.forms.get(precision) == INVARIANT:
+            routed_s = tuning.vanilla_s.get(f"{precision} {ROUTED}")
+            form = INVARIANT if routed_s is not None and tuning.curves[precision].one_token_s < routed_s else ROUTED
+        if (precision, form) != (dtype_name(engine.model), form_of(engine.model)):
+            forms[precision] = form
+    return forms
 
 
-def _load_baselines(args, precisions: tuple[str, ...]) -> dict:
-    """An engine per baseline precision, loaded like the main one (its own kernel plan for that precision)."""
+def _load_baselines(args, forms: dict[str, str]) -> dict:
+    """An engine per baseline precision, loaded as a plain start loads it (its own kernel plan for that
+    precision), then put in the row-invariant form where that is the faster one."""
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
+    from ..tuning import INVARIANT, set_precision
 
     baselines = {}
-    for precision in precisions:
+    for precision, form in forms.items():
         try:
             baselines[precision] = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=precision,
                                                           device=args.device, cpu_kernels=not args.no_cpu_kernels),
                                                SatSource(adapter=args.adapter))
         except (ModelLoadError, ValueError) as err:
             raise _Refused(f"--baseline-precisions {precision}: {err}") from None
+        if form == INVARIANT:
+            set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, INVARIANT)
     return baselines
 
 

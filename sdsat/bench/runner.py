@@ -171,12 +171,11 @@ def machine_info(engine: Engine) -> dict:
 
 
 def baseline_info(baselines: dict[str, Engine]) -> dict:
-    """Per precision of the baseline engines: its dtype, kernel form, attention kernel and CPU kernel plan."""
+    """Per precision of the baseline engines: its dtype, kernel form and CPU kernel plan."""
     info = {}
     for precision, engine in baselines.items():
         plan = installed_plan(engine.model)
         info[precision] = {"dtype": describe(engine.model)["dtype"], "form": form_of(engine.model),
-                           "attention": getattr(engine.model.config, "_attn_implementation", None),
                            "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)"}
     return info
 

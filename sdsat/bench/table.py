@@ -42,9 +42,10 @@ def markdown_table(payload: dict) -> str:
     meta, summary = payload["meta"], payload["summary"]
     machine, settings = meta["machine"], meta["settings"]
     pass_at_1 = (payload.get("pass_at_1") or {}).get("by_variant", {})
+    numerics = " ".join(filter(None, (machine["dtype"], machine.get("form"))))  # e.g. "float32 row-invariant"
     lines = [
         f"**{meta['source']}**, {len(payload['prompts'])} prompts, up to {settings['max_new_tokens']} new tokens, "
-        f"{settings['repeats']} repeat(s); model `{meta['model']['name']}` ({machine['dtype']}, {machine['device']}); "
+        f"{settings['repeats']} repeat(s); model `{meta['model']['name']}` ({numerics}, {machine['device']}); "
         f"{cpu_line(machine)}, {machine['cores_available']} cores, {machine['torch_threads']} torch threads; "
         f"torch {machine['torch']}, transformers {machine['transformers']}; load average "
         f"{_load(machine.get('load_average_at_start'))} at start, {_load(machine.get('load_average_at_end'))} at end; "
