@@ -50,7 +50,7 @@ def bench_run(tmp_path_factory):
     argv = ["--limit", "2", "--max-new-tokens", "8", "--k", "1", "3", "--schemes", "two_step", "fused", "lookup",
             "lookup_tree", "--sample-k", "2",
             "--temperatures", "1.0", "--lookup-ngram", "1",  # one recurring token: copies within 8 tokens
-            "--warmup-tokens", "2", "--out-dir", str(out), "--no-png", "--quiet"]
+            "--warmup-tokens", "2", "--baseline-precisions", "none", "--out-dir", str(out), "--no-png", "--quiet"]
     import io
     from contextlib import redirect_stdout
 
@@ -181,6 +181,7 @@ def test_ctrl_c_keeps_completed_runs(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen([sys.executable, "-m", "sdsat.bench", "--limit", "50", "--max-new-tokens", "4",
                              "--methods", "vanilla", "generate", "--warmup-tokens", "0", "--threads", "1",
+                             "--baseline-precisions", "none",
                              "--out-dir", str(out),
                              "--quiet", "--no-figures"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -339,7 +340,8 @@ def small_bench(tmp_path, *extra: str) -> tuple[int, str]:
     try:
         with redirect_stdout(io.StringIO()), redirect_stderr(err):
             code = cli.main(["--limit", "1", "--max-new-tokens", "2", "--methods", "vanilla", "--warmup-tokens", "0",
-                             "--threads", "1", "--out-dir", str(tmp_path / "out"), "--quiet", "--no-png", *extra])
+                             "--threads", "1", "--baseline-precisions", "none", "--out-dir", str(tmp_path / "out"),
+                             "--quiet", "--no-png", *extra])
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped the benchmark as a traceback")
     finally:
@@ -414,3 +416,167 @@ def test_ctrl_c_during_a_humaneval_program_kills_it(tmp_path):
     assert time.monotonic() - start < 30
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)  # killed and reaped, not left running
+
+
+# -- issue 15: the auto recipe, the fastest vanilla as the baseline, the machine named ---------------------
+def test_the_fastest_vanilla_of_any_precision_is_the_headline_baseline():
+    """Per prompt, the fastest vanilla run of any precision divides; with none faster, vanilla itself does."""
+    from sdsat.bench.stats import best_sdsat_greedy, headline_speedup
+
+    def runs(bf16_tps: tuple[float, float]) -> list[dict]:
+        bf16 = [_run(0, "vanilla", 0, [1, 7, 3], bf16_tps[0]), _run(1, "vanilla", 0, [4, 5], bf16_tps[1])]
+        for run in bf16:  # rounds otherwise: another precision's output is not checked against vanilla's
+            run["precision"] = "bfloat16"
+        return [_run(0, "vanilla", 0, [1, 2, 3], 10.0), _run(1, "vanilla", 0, [4, 5], 20.0), *bf16,
+                _run(0, "sdsat_greedy", 2, [1, 2, 3], 30.0, drafted=[2], accepted=[2]),
+                _run(1, "sdsat_greedy", 2, [4, 5], 30.0, drafted=[2], accepted=[1])]
+
+    faster = summarize(runs((15.0, 12.0)))  # bfloat16 is the faster vanilla on prompt 0 only
+    rows = {r["label"]: r for r in faster["variants"]}
+    sdsat = rows["sdsat_greedy k=2"]
+    assert sdsat["median_speedup"] == pytest.approx((3.0 + 1.5) / 2)
+    assert sdsat["median_speedup_vs_fastest_vanilla"] == pytest.approx((30 / 15 + 30 / 20) / 2)
+    assert (sdsat["min_speedup_vs_fastest_vanilla"], sdsat["max_speedup_vs_fastest_vanilla"]) == pytest.approx((1.5, 2))
+    # Overall: 5 tokens in 0.1 + 1/15 s over the fastest runs' 5 tokens in 0.2 + 0.1 s.
+    assert sdsat["overall_speedup_vs_fastest_vanilla"] == pytest.approx((5 / (0.1 + 2 / 30)) / (5 / 0.3))
+    assert headline_speedup(sdsat) == sdsat["median_speedup_vs_fastest_vanilla"]
+    assert rows["vanilla"]["median_speedup_vs_fastest_vanilla"] == pytest.approx((10 / 15 + 1) / 2)
+    assert faster["fastest_vanilla"]["counts"] == {"vanilla bfloat16": 1, "vanilla": 1}
+    assert [w["label"] for w in faster["fastest_vanilla"]["by_prompt"]] == ["vanilla bfloat16", "vanilla"]
+    assert rows["vanilla bfloat16"]["precision"] == "bfloat16"
+    assert "identical_to_vanilla" not in rows["vanilla bfloat16"]
+    assert faster["all_greedy_identical"]  # bfloat16 vanilla's other tokens are no mismatch
+    assert best_sdsat_greedy(faster) is sdsat
+
+    slower = summarize(runs((5.0, 10.0)))  # a slower precision never lowers the bar
+    sdsat = next(r for r in slower["variants"] if r["label"] == "sdsat_greedy k=2")
+    for name in ("median", "min", "max", "overall"):
+        assert sdsat[f"{name}_speedup_vs_fastest_vanilla"] == pytest.approx(sdsat[f"{name}_speedup"])
+    alone = summarize([r for r in runs((5.0, 10.0)) if not r.get("precision")])
+    assert [r["median_speedup_vs_fastest_vanilla"] for r in alone["variants"]] == [
+        r["median_speedup"] for r in alone["variants"]]
+
+
+def test_auto_and_baseline_variants_are_named_by_what_they_run():
+    from sdsat.bench.methods import AutoChoice, auto_choices, run_label
+    from sdsat.planner import Settings
+    from sdsat.tuning import Tuning
+
+    greedy = AutoChoice(Settings("two_step", 3, 10, 8), {"settings": {}, "plan": {"reason": "r"}, "note": ""})
+    sampled = AutoChoice(Settings("fused", 2, 0, 0), {"settings": {}, "plan": {"reason": "r"}, "note": ""})
+    # --k and --sample-k do not apply to auto: a k outside the SATs' range is no error when only auto runs.
+    variants = plan_variants(["sdsat_sample", "vanilla", "sdsat_greedy"], [9], 9, [1.0], 10, max_k=5,
+                             recipes=("auto",), auto=(greedy, sampled), baselines=("bfloat16",))
+    assert [v.label for v in variants] == ["vanilla", "vanilla bfloat16", "sdsat_greedy auto (k=3 +lookup+tree8)",
+                                           "sdsat_sample T=1 auto (k=2 fused)"]
+    assert variants[1].precision == "bfloat16" and variants[2].k == 3 and variants[3].auto is sampled
+    with pytest.raises(ValueError, match="--schemes must be among two_step, fused, lookup, tree, lookup_tree, auto"):
+        plan_variants(["sdsat_greedy"], [1], 1, [1.0], 10, max_k=5, recipes=("medusa",))
+    # Without an acceptance trace there is no plan: the defaults run, and the runs say why.
+    plain, plain_sampled = auto_choices(Tuning(note="no acceptance trace ships with these SATs"), max_k=2)
+    assert plain.settings == plain_sampled.settings == Settings("two_step", 2, 0, 0)
+    assert plain.record == {"settings": {"scheme": "two_step", "k": 2, "lookup_tokens": 0, "tree_candidates": 0},
+                            "plan": None, "note": "no acceptance trace ships with these SATs"}
+    run = {"method": "sdsat_greedy", "k": 2, "temperature": None, "scheme": "auto", "auto": plain.record}
+    assert run_label(run) == "sdsat_greedy auto (no plan: k=2)"
+
+
+def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_main_engines(tiny_llama):
+    import argparse
+    import types
+
+    from sdsat import cpu_kernels
+    from sdsat.costs import CostCurve
+    from sdsat.tuning import INVARIANT, ROUTED
+
+    engine = types.SimpleNamespace(model=tiny_llama, tuning=None)
+
+    def chosen(*precisions, methods=("vanilla",)):
+        args = argparse.Namespace(methods=list(methods), baseline_precisions=list(precisions))
+        return cli.baseline_precisions(args, engine)
+
+    # Without a tuning: the routed form a plain start loads, and float32 is the main engine's already.
+    assert chosen("auto") == {"bfloat16": ROUTED}
+    assert chosen("none") == {} and chosen("auto", methods=("sdsat_greedy",)) == {}
+    assert chosen("float16", "float32", "float16") == {"float16": ROUTED}
+    # A tuning that timed bfloat16's row-invariant one-token pass faster than its routed one.
+    engine.tuning = types.SimpleNamespace(forms={"bfloat16": INVARIANT}, vanilla_s={"bfloat16 routed": 0.04},
+                                          curves={"bfloat16": CostCurve("bfloat16", {1: 0.03})})
+    assert chosen("auto") == {"bfloat16": INVARIANT}
+    engine.tuning.vanilla_s["bfloat16 routed"] = 0.02
+    assert chosen("auto") == {"bfloat16": ROUTED}
+    if cpu_kernels.invariant_available():  # the main engine left in the row-invariant form: float32 routed runs too
+        cpu_kernels.install(tiny_llama, cpu_kernels.invariant_plan(tiny_llama))
+        assert chosen("auto") == {"float32": ROUTED, "bfloat16": ROUTED}
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--baseline-precisions", "auto", "bfloat16"])
+
+
+def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(tmp_path, monkeypatch):
+    """`--schemes auto` decodes with the tuning's plan (greedy) and its tree-less plan (sampled) and records
+    both; vanilla in bfloat16 runs on an engine of its own, interleaved and labelled; results name the CPU."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import torch
+
+    from sdsat import engine as engine_module
+    from sdsat import tuning
+    from sdsat.costs import measure_curve
+    from sdsat.engine import Engine
+
+    monkeypatch.setattr(tuning, "measure_curve", lambda sat_model, **kw: measure_curve(
+        sat_model, **(dict(widths=(1, 2, 4, 8, 16), context=32, repeats=1) | kw)))
+    monkeypatch.setattr(engine_module, "cache_dir", lambda: tmp_path)  # these fake curves stay out of the cache
+    calls = []
+    stream = Engine.stream
+
+    def spy(self, prompt_ids, config, should_stop=None):
+        calls.append((id(self.model), tuning.dtype_name(self.model), config))
+        return stream(self, prompt_ids, config, should_stop)
+
+    monkeypatch.setattr(Engine, "stream", spy)
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    try:
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            code = cli.main(["--limit", "2", "--max-new-tokens", "6", "--methods", "vanilla", "sdsat_greedy",
+                             "sdsat_sample", "--schemes", "auto", "--temperatures", "1.0", "--baseline-precisions",
+                             "bfloat16", "--warmup-tokens", "0", "--threads", "1", "--out-dir", str(out),
+                             "--no-figures", "--no-pass-at-1", "--quiet"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    payload = json.loads((out / "results.json").read_text())
+    meta, runs = payload["meta"], payload["runs"]
+    plan = meta["tuning"]["plan"]
+    assert plan is not None and meta["tuning"]["curves"]  # the whole tuning, once
+    planned = (plan["settings"]["scheme"], plan["settings"]["k"], plan["settings"]["lookup_tokens"],
+               plan["settings"]["tree_candidates"])
+    greedy = [c for _, _, c in calls if c.method == "sdsat" and not c.sampling.do_sample]
+    sampled = [c for _, _, c in calls if c.method == "sdsat" and c.sampling.do_sample]
+    assert len(greedy) == len(sampled) == 2
+    assert all((c.scheme, c.k, c.lookup_tokens, c.tree_candidates) == planned for c in greedy)
+    auto_runs = {r["method"]: r for r in runs if r["scheme"] == "auto"}
+    assert auto_runs["sdsat_greedy"]["auto"]["plan"] == plan and auto_runs["sdsat_greedy"]["k"] == planned[1]
+    sample_settings = auto_runs["sdsat_sample"]["auto"]["settings"]
+    assert sample_settings["tree_candidates"] == 0 and all(
+        (c.scheme, c.k, c.lookup_tokens, c.tree_candidates) == tuple(sample_settings.values()) for c in sampled)
+    # Vanilla in bfloat16: its own engine (another model object), interleaved prompt by prompt, labelled.
+    main = {model for model, _, c in calls if c.method == "sdsat"}
+    vanilla = {model for model, _, c in calls if c.method == "vanilla"}
+    assert len(main) == 1 and len(vanilla) == 2 and main < vanilla
+    assert {dtype for model, dtype, _ in calls if model not in main} == {"bfloat16"}
+    assert meta["baselines"]["bfloat16"]["dtype"] == "bfloat16" and meta["settings"]["baseline_precisions"] == [
+        "bfloat16"]
+    order = [[(r["method"], r.get("precision")) for r in runs if r["prompt_index"] == p] for p in (0, 1)]
+    assert len(order[0]) == 4 and order[1] == order[0][1:] + order[0][:1]  # the rotation moves it too
+    assert ("vanilla", "bfloat16") in order[0]
+    rows = {r["label"]: r for r in payload["summary"]["variants"]}
+    assert "vanilla bfloat16" in rows and "vanilla" in rows
+    assert rows["vanilla bfloat16"]["runs"] == 2 and payload["summary"]["all_greedy_identical"]
+    assert any(label.startswith("sdsat_greedy auto (k=") for label in rows)
+    table = (out / "results.md").read_text()
+    machine = meta["machine"]
+    assert "cpu_flags" in machine and f"{machine['cpu']} (flags: " in table.splitlines()[0]
+    assert "speed-up vs fastest vanilla" in table and "- Fastest vanilla: " in table and "(the tuning's plan)" in table

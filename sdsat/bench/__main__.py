@@ -15,9 +15,12 @@ import logging
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 QUICK = dict(limit=3, max_new_tokens=32, k=[1, 2, 4], sample_k=2, temperatures=[1.0], repeats=1, warmup_tokens=4)
+BASELINE_CHOICES = ("auto", "none", "float32", "float16", "bfloat16")
 DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures=[0.2, 1.0], repeats=1,
                 warmup_tokens=16)
 
@@ -35,8 +38,9 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
                       help="SDSAT recipes to race (a decoding scheme with prompt lookup and the draft tree on or off): "
                            "two_step (the paper), fused, lookup (two_step with "
                            "prompt lookup's copies, --lookup-tokens of them, verified when found), tree (two_step "
-                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups; greedy only) "
-                           "and/or lookup_tree (both) (default two_step)")
+                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups; greedy only), "
+                           "lookup_tree (both) and/or auto (scheme, k, lookup and tree from this machine's tuning; "
+                           "ignores --k and --sample-k) (default two_step)")
     what.add_argument("--sample-k", type=int, metavar="K",
                       help="sdsat_sample's k, drafts per step (default 4, capped at the max k; 2 with --quick)")
     what.add_argument("--temperatures", nargs="+", type=float, metavar="T",
@@ -51,6 +55,11 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
                            "(lookup_ngram) after which the lookup recipes copy, in tokens (default 2)")
     what.add_argument("--tree-candidates", type=int, default=2, metavar="N",
                       help="the tree recipes' runner-up candidates per verify pass, 1..8 (default 2)")
+    what.add_argument("--baseline-precisions", nargs="+", default=["auto"], choices=BASELINE_CHOICES,
+                      metavar="PRECISION",
+                      help="precisions vanilla also runs in, each on an engine of its own, so that speed-ups are "
+                           "also against the fastest vanilla: auto (those the tuner measures: float32 and bfloat16 "
+                           "on a CPU, none elsewhere), none, or any of float32 float16 bfloat16 (default auto)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup_tokens < 0:
         parser.error("--warmup-tokens must be 0 or more")
+    if len(args.baseline_precisions) > 1 and {"auto", "none"} & set(args.baseline_precisions):
+        parser.error("--baseline-precisions takes auto, none, or a list of float32 float16 bfloat16, not a mix")
     return args
 
 
@@ -125,13 +136,26 @@ class _Refused(Exception):
     """A setting or prompt set the benchmark cannot run: one line on stderr, exit status 2."""
 
 
+@dataclass
+class _Bench:
+    """What a run races: the engines, the settings, the variants and the prompts that fit."""
+
+    engine: Any  # the main engine: every method runs on it
+    baselines: dict  # precision -> Engine: vanilla's other precisions
+    config: Any  # runner.BenchConfig
+    variants: list
+    prompts: list
+    prompt_ids: list[list[int]]
+    skipped: list[dict]  # prompts too long for the model's context
+
+
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out_dir = Path(args.out_dir)
     json_path = Path(args.json) if args.json else out_dir / "results.json"
     try:
-        engine, config, variants, prompts, prompt_ids, skipped = _prepare(args)
+        bench = _prepare(args)
     except _Refused as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -139,9 +163,10 @@ def _main(argv: list[str] | None) -> int:
     if use_pass_at_1 and args.prompts:
         print("warning: --pass-at-1 needs HumanEval prompts; skipped", file=sys.stderr)
         use_pass_at_1 = False
-    meta = _meta(args, argv, engine, config, variants, skipped)
+    meta = _meta(args, argv, bench)
     bar_options = dict(file=sys.stderr, disable=args.quiet, dynamic_ncols=True)
-    runs, interrupted = _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path, bar_options)
+    runs, interrupted = _time_runs(bench, meta, json_path, bar_options)
+    prompts = bench.prompts
 
     from .report import build_payload, write_json
 
@@ -162,13 +187,13 @@ def _main(argv: list[str] | None) -> int:
     return 130 if interrupted else 0
 
 
-def _prepare(args):
-    """Prompts, the engine and the variants to race: (engine, config, variants, prompts, prompt_ids, skipped)."""
+def _prepare(args) -> _Bench:
+    """Prompts, the engines and the variants to race."""
     import torch
 
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
-    from .methods import plan_variants
+    from .methods import AUTO, auto_choices, plan_variants
     from .prompts import PromptFileError, file_prompts, humaneval_prompts
     from .runner import BenchConfig, encode_prompts, fitting_prompts
 
@@ -185,17 +210,23 @@ def _prepare(args):
                              SatSource(adapter=args.adapter))
     except (ModelLoadError, ValueError) as err:
         raise _Refused(err) from None
+    # The auto recipe's plan; tuning may move the model to the precision it chose, before anything is timed.
+    wants_auto = AUTO in args.schemes and any(m.startswith("sdsat") for m in args.methods)
+    auto = auto_choices(engine.tune(), engine.max_k) if wants_auto else None
     k_list = args.k if args.k else list(range(1, engine.max_k + 1))
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
                          temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup_tokens=args.warmup_tokens,
                          lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram,
                          tree_candidates=args.tree_candidates)
+    precisions = baseline_precisions(args, engine)
     try:
         variants = plan_variants(config.methods, k_list, config.sample_k, config.temperatures,
-                                 config.lookup_tokens, engine.max_k, tuple(args.schemes), config.tree_candidates)
+                                 config.lookup_tokens, engine.max_k, tuple(args.schemes), config.tree_candidates,
+                                 auto=auto, baselines=tuple(precisions))
     except ValueError as err:
         raise _Refused(err) from None
+    baselines = _load_baselines(args, precisions)
     max_context = getattr(engine.model.config, "max_position_embeddings", None)
     prompts, prompt_ids, skipped = fitting_prompts(prompts, encode_prompts(engine, prompts), variants, config,
                                                    max_context)
@@ -206,13 +237,61 @@ def _prepare(args):
     if not prompts:
         raise _Refused(f"none of the prompts fits the model's context of {max_context} tokens with "
                        f"--max-new-tokens {config.max_new_tokens}")
-    return engine, config, variants, prompts, prompt_ids, skipped
+    return _Bench(engine, baselines, config, variants, prompts, prompt_ids, skipped)
 
 
-def _meta(args, argv, engine, config, variants, skipped) -> dict:
+def baseline_precisions(args, engine) -> dict[str, str]:
+    """The precisions vanilla also runs in, each on an engine of its own, and the kernel form it runs in there
+    (tuning.ROUTED or INVARIANT); none without vanilla.
+
+    Each precision runs in the form the tuning timed fastest for a one-token pass, or the routed form a plain
+    start loads when there is no tuning (no auto recipe) or it did not time both. The main engine's own
+    precision is among them only when that form is not the main engine's (tuning may have left it in the
+    row-invariant form, whose vanilla can be slower).
+    """
+    from ..tuning import INVARIANT, ROUTED, dtype_name, form_of, precisions_to_try
+
+    if "vanilla" not in args.methods or args.baseline_precisions == ["none"]:
+        return {}
+    wanted = (precisions_to_try(engine.model, fixed=False) if args.baseline_precisions == ["auto"]
+              else args.baseline_precisions)
+    tuning = getattr(engine, "tuning", None)
+    forms = {}
+    for precision in dict.fromkeys(wanted):
+        form = ROUTED
+        if tuning is not None and tuning.forms.get(precision) == INVARIANT:
+            routed_s = tuning.vanilla_s.get(f"{precision} {ROUTED}")
+            form = INVARIANT if routed_s is not None and tuning.curves[precision].one_token_s < routed_s else ROUTED
+        if (precision, form) != (dtype_name(engine.model), form_of(engine.model)):
+            forms[precision] = form
+    return forms
+
+
+def _load_baselines(args, forms: dict[str, str]) -> dict:
+    """An engine per baseline precision, loaded as a plain start loads it (its own kernel plan for that
+    precision), then put in the row-invariant form where that is the faster one."""
+    from ..engine import Engine, SatSource
+    from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
+    from ..tuning import INVARIANT, set_precision
+
+    baselines = {}
+    for precision, form in forms.items():
+        try:
+            baselines[precision] = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=precision,
+                                                          device=args.device, cpu_kernels=not args.no_cpu_kernels),
+                                               SatSource(adapter=args.adapter))
+        except (ModelLoadError, ValueError) as err:
+            raise _Refused(f"--baseline-precisions {precision}: {err}") from None
+        if form == INVARIANT:
+            set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, INVARIANT)
+    return baselines
+
+
+def _meta(args, argv, bench: _Bench) -> dict:
     """What every result depends on: the command, the commit, the model, the machine and the settings."""
-    from .runner import git_commit, machine_info, now_iso
+    from .runner import baseline_info, git_commit, machine_info, now_iso
 
+    engine, config = bench.engine, bench.config
     return {
         "date": now_iso(),
         "command": shlex.join(["python", "-m", "sdsat.bench", *(sys.argv[1:] if argv is None else argv)]),
@@ -221,35 +300,37 @@ def _meta(args, argv, engine, config, variants, skipped) -> dict:
         "model": {"name": engine.name, "adapter": engine.sat_model.spec.adapter, "sat_kind": engine.sat_model.spec.kind,
                   "sat_trained": engine.sat_trained, "max_k": engine.max_k},
         "machine": machine_info(engine),
+        "baselines": baseline_info(bench.baselines),
+        "tuning": engine.tuning.to_dict() if engine.tuning is not None else None,
         "settings": {"methods": config.methods, "k": config.k_list, "schemes": args.schemes,
                      "sample_k": config.sample_k, "temperatures": config.temperatures, "top_p": config.top_p,
                      "seed": config.seed, "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
                      "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,
                      "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates,
-                     "quick": args.quick, "subset": args.subset,
-                     "limit": args.limit, "variants": [v.label for v in variants]},
-        "skipped_prompts": skipped,
+                     "baseline_precisions": list(bench.baselines), "quick": args.quick, "subset": args.subset,
+                     "limit": args.limit, "variants": [v.label for v in bench.variants]},
+        "skipped_prompts": bench.skipped,
     }
 
 
-def _time_runs(engine, variants, prompts, prompt_ids, config, meta, json_path: Path,
-               bar_options: dict) -> tuple[list[dict], bool]:
+def _time_runs(bench: _Bench, meta: dict, json_path: Path, bar_options: dict) -> tuple[list[dict], bool]:
     """Warm up, then every run, saving after each prompt; Ctrl-C keeps what finished: (runs, interrupted)."""
     from tqdm import tqdm
 
     from .report import build_payload, write_json
     from .runner import measure_all, warm_up
 
+    engine, variants, prompts, config = bench.engine, bench.variants, bench.prompts, bench.config
     runs: list[dict] = []
     try:
-        for _ in tqdm(warm_up(engine, variants, prompt_ids[0], config),
+        for _ in tqdm(warm_up(engine, variants, bench.prompt_ids[0], config, bench.baselines),
                       total=len(variants) if config.warmup_tokens else 0,
                       desc="warm-up", unit="method", **bar_options):
             pass
         total = len(prompts) * config.repeats * len(variants)
         with tqdm(total=total, desc="bench", unit="run", **bar_options) as bar:
             per_prompt = config.repeats * len(variants)
-            for measurement in measure_all(engine, variants, prompt_ids, config):
+            for measurement in measure_all(engine, variants, bench.prompt_ids, config, bench.baselines):
                 runs.append(measurement.to_dict())
                 bar.update()
                 bar.set_postfix_str(f"prompt {measurement.prompt_index + 1}/{len(prompts)} {measurement.method} "

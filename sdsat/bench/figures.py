@@ -11,7 +11,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from .methods import RECIPES, label_of
+from .methods import AUTO, RECIPES, label_of
 from .stats import variant_key
 
 _LAYOUT = dict(template="plotly_white", width=900, height=520, margin=dict(l=70, r=30, t=90, b=60))
@@ -48,8 +48,8 @@ def speedup_vs_k(payload: dict) -> go.Figure:
             customdata=[[r["tokens_per_forward_pass"], r["mean_tokens_per_iteration"]] for r in greedy],
             hovertemplate="k=%{x}<br>speed-up %{y:.2f}×<br>tokens/forward pass %{customdata[0]:.2f}"
                           "<br>tokens/iteration %{customdata[1]:.2f}<extra></extra>"))
-    for row in rows:
-        if row["method"] == "sdsat_sample" and row["median_speedup"] is not None:
+    for row in rows:  # single settings: sampling, and the auto recipe's choice
+        if (row["method"] == "sdsat_sample" or row.get("scheme") == AUTO) and row["median_speedup"] is not None:
             fig.add_trace(go.Scatter(x=[row["k"]], y=[row["median_speedup"]], mode="markers", name=row["label"],
                                      marker=dict(symbol="diamond", size=11)))
     dashes = {"vanilla": "solid", "generate": "dot", "prompt_lookup": "dash"}
@@ -58,7 +58,7 @@ def speedup_vs_k(payload: dict) -> go.Figure:
         if row["method"] in dashes and row["median_speedup"] is not None:
             fig.add_hline(y=row["median_speedup"], line_dash=dashes[row["method"]], line_color="gray",
                           annotation_text=f"{row['label']} {row['median_speedup']:.2f}×",
-                          annotation_position=sides[row["method"]])
+                          annotation_position="bottom right" if row.get("precision") else sides[row["method"]])
     fig.update_layout(title=_title("Speed-up over vanilla decoding against k (drafts per step)", payload),
                       xaxis_title="k (adaptive tokens per step)", yaxis_title="median speed-up (×)",
                       xaxis=dict(dtick=1), yaxis_rangemode="tozero", **_LAYOUT)

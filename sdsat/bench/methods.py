@@ -13,6 +13,11 @@ the draft tree on or off): two_step (the paper), fused, lookup: two_step where p
 when there are any, are verified in place of a SAT draft step (`DecodeConfig.lookup_tokens`), tree:
 two_step whose verify pass also checks the SATs' runner-up candidates (`DecodeConfig.tree_candidates`;
 greedy only, so sampling runs it as the chain and lists it under two_step), and lookup_tree: both.
+The recipe `auto` takes scheme, k, lookup and tree from the engine's tuning (`Engine.tune().plan`;
+sampled runs the plan without the tree) and ignores the k sweep.
+
+Vanilla may also run on a second engine in another precision (`Variant.precision`, labelled e.g.
+"vanilla bfloat16"): the fastest plain decoding of any precision is the headline's baseline.
 
 Forward passes are counted the same way for all of them, by a forward hook on the model, so tokens
 per forward pass compares `model.generate` with the engine honestly.
@@ -21,7 +26,7 @@ per forward pass compares `model.generate` with the engine honestly.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterator, NamedTuple
 
 import torch
@@ -29,8 +34,11 @@ from transformers import GenerationConfig
 
 from .. import timing
 from ..decoding import MAX_TREE_CANDIDATES, DecodeConfig, collect
+from ..config import SCHEMES
 from ..engine import Engine
+from ..planner import Settings
 from ..sampling import SamplingConfig
+from ..tuning import Tuning
 
 GREEDY_METHODS = ("vanilla", "generate", "prompt_lookup", "sdsat_greedy")
 SAMPLE_METHODS = ("vanilla_sample", "sdsat_sample")
@@ -49,12 +57,39 @@ class Recipe(NamedTuple):
 RECIPES = {"two_step": Recipe("two_step", False, False, ""), "fused": Recipe("fused", False, False, "fused"),
            "lookup": Recipe("two_step", True, False, "+lookup"), "tree": Recipe("two_step", False, True, "+tree"),
            "lookup_tree": Recipe("two_step", True, True, "+lookup+tree")}
+AUTO = "auto"  # the recipe whose settings come from the engine's tuning
+SCHEME_CHOICES = (*RECIPES, AUTO)  # what --schemes accepts
 
 
 def _without_tree(recipe: str) -> str:
     """What sampling runs for a recipe: trees are greedy only, so a tree recipe samples as its chain."""
+    if recipe == AUTO:
+        return AUTO  # its sampled plan has no tree already
     parts = RECIPES[recipe]
     return "lookup" if parts.lookup else parts.scheme
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What the auto recipe decodes with, and the record each of its runs carries (JSON field "auto")."""
+
+    settings: Settings  # scheme, k, lookup_tokens and tree_candidates
+    record: dict = field(default_factory=dict, compare=False, hash=False)  # {"settings", "plan", "note"}
+
+
+def auto_choices(tuning: Tuning, max_k: int) -> tuple[AutoChoice, AutoChoice]:
+    """The auto recipe's (greedy, sampled) choices from a tuning: its plan, and for sampling the plan without
+    a tree (`plan_for(greedy=False)`); without a plan (no acceptance trace) the default settings and the note."""
+    choices = []
+    for greedy in (True, False):
+        plan = tuning.plan_for(SCHEMES, greedy=greedy)
+        settings = plan.settings if plan is not None else Settings()
+        settings = Settings(settings.scheme, min(settings.k, max_k), settings.lookup_tokens,
+                            settings.tree_candidates if greedy else 0)
+        record = {"settings": asdict(settings), "plan": plan.to_dict() if plan is not None else None,
+                  "note": tuning.note}
+        choices.append(AutoChoice(settings, record))
+    return choices[0], choices[1]
 
 
 @dataclass(frozen=True)
@@ -64,7 +99,9 @@ class Variant:
     method: str  # one of METHODS
     k: int = 0  # drafts per step: SDSAT's k, prompt lookup's prompt_lookup_num_tokens; 0 if none
     temperature: float | None = None  # sampling methods only
-    recipe: str = "two_step"  # SDSAT methods: one of RECIPES
+    recipe: str = "two_step"  # SDSAT methods: one of SCHEME_CHOICES
+    auto: AutoChoice | None = None  # the auto recipe: its settings (k is also in `k`)
+    precision: str | None = None  # vanilla on a baseline engine in this precision; None: the main engine
 
     @property
     def greedy(self) -> bool:
@@ -72,36 +109,51 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return label_of(self.method, self.k, self.temperature, self.recipe)
+        return label_of(self.method, self.k, self.temperature, self.recipe,
+                        asdict(self.auto.settings) if self.auto else None, self.precision,
+                        planned=self.auto is not None and self.auto.record.get("plan") is not None)
 
 
-def label_of(method: str, k: int, temperature: float | None, recipe: str = "two_step") -> str:
-    """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2" or "sdsat_greedy k=3 fused"."""
-    parts = [method] + ([f"k={k}"] if k else []) + ([f"T={temperature:g}"] if temperature is not None else [])
+def label_of(method: str, k: int, temperature: float | None, recipe: str = "two_step", settings: dict | None = None,
+             precision: str | None = None, planned: bool = True) -> str:
+    """How a variant is named in tables and figures, e.g. "sdsat_sample k=4 T=0.2", "sdsat_greedy k=3 fused",
+    "vanilla bfloat16" or "sdsat_greedy auto (k=3 +lookup+tree8)" (the auto recipe names what it chose)."""
+    auto = recipe == AUTO
+    parts = ([method] + ([f"k={k}"] if k and not auto else []) + ([precision] if precision else [])
+             + ([f"T={temperature:g}"] if temperature is not None else []))
+    if auto:
+        return " ".join(parts + [f"auto ({'' if planned else 'no plan: '}{_describe(settings or {}, k)})"])
     suffix = RECIPES[recipe].suffix
     return " ".join(parts + ([suffix] if suffix else []))
 
 
+def _describe(settings: dict, k: int) -> str:
+    """Settings in a label's words: "k=3 +lookup+tree8", "k=2 fused"."""
+    scheme, lookup, tree = (settings.get(name) for name in ("scheme", "lookup_tokens", "tree_candidates"))
+    return (f"k={settings.get('k', k)}" + (" fused" if scheme == "fused" else "") + (" +lookup" if lookup else "")
+            + (f"{'' if lookup else ' '}+tree{tree}" if tree else ""))
+
+
+def run_label(run: dict) -> str:
+    """The label of a JSON run record (as `Variant.label` names the variant that made it)."""
+    auto = run.get("auto") or {}
+    return label_of(run["method"], run["k"], run["temperature"], run.get("scheme", "two_step"), auto.get("settings"),
+                    run.get("precision"), planned=auto.get("plan") is not None)
+
+
 def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
                   lookup_tokens: int, max_k: int, recipes: tuple[str, ...] = ("two_step",),
-                  tree_candidates: int = 2) -> list[Variant]:
-    """The variants of a run, in a fixed order (vanilla first when present)."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
-    too_big = [k for k in k_list + ([sample_k] if "sdsat_sample" in methods else []) if not 1 <= k <= max_k]
-    if any(m.startswith("sdsat") for m in methods) and too_big:
-        raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
-    if not recipes or any(r not in RECIPES for r in recipes):
-        raise ValueError(f"--schemes must be among {', '.join(RECIPES)}, got {list(recipes)}")
-    if any(RECIPES[r].tree for r in recipes) and not 1 <= tree_candidates <= MAX_TREE_CANDIDATES:
-        raise ValueError(f"--tree-candidates must be between 1 and {MAX_TREE_CANDIDATES} for the tree recipes "
-                         f"(--schemes tree, lookup_tree), got {tree_candidates}")
-    for t in temperatures:  # the sampling config's own range check, before any model time is spent
-        try:
-            SamplingConfig(do_sample=True, temperature=t).validate()
-        except ValueError as err:
-            raise ValueError(f"--temperatures: {err}") from None
+                  tree_candidates: int = 2, auto: tuple[AutoChoice, AutoChoice] | None = None,
+                  baselines: tuple[str, ...] = ()) -> list[Variant]:
+    """The variants of a run, in a fixed order (vanilla first when present).
+
+    `auto`: the auto recipe's (greedy, sampled) choices (`auto_choices`), needed when `recipes` names it.
+    `baselines`: precisions vanilla also runs in, each on its own engine (with vanilla only).
+    """
+    _check_settings(methods, k_list, sample_k, temperatures, max_k, recipes, tree_candidates)
+    if AUTO in recipes and auto is None and any(m.startswith("sdsat") for m in methods):
+        raise ValueError("--schemes auto needs the engine's tuning (auto_choices)")
+    fixed = [r for r in recipes if r != AUTO]
     variants: list[Variant] = []
     for method in METHODS:  # canonical order, whatever order the user listed
         if method not in methods:
@@ -109,15 +161,43 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         if method == "prompt_lookup":
             variants.append(Variant(method, k=lookup_tokens))
         elif method == "sdsat_greedy":
-            variants.extend(Variant(method, k=k, recipe=r) for r in recipes for k in sorted(set(k_list)))
+            variants.extend(Variant(method, k=k, recipe=r) for r in fixed for k in sorted(set(k_list)))
+            if auto is not None and AUTO in recipes:
+                variants.append(Variant(method, k=auto[0].settings.k, recipe=AUTO, auto=auto[0]))
         elif method == "vanilla_sample":
             variants.extend(Variant(method, temperature=t) for t in temperatures)
         elif method == "sdsat_sample":
-            sampled = dict.fromkeys(_without_tree(r) for r in recipes)
-            variants.extend(Variant(method, k=sample_k, temperature=t, recipe=r) for r in sampled for t in temperatures)
+            for r in dict.fromkeys(_without_tree(r) for r in recipes):
+                choice = auto[1] if r == AUTO and auto is not None else None
+                k = choice.settings.k if choice else sample_k
+                variants.extend(Variant(method, k=k, temperature=t, recipe=r, auto=choice) for t in temperatures)
         else:
             variants.append(Variant(method))
+            if method == "vanilla":
+                variants.extend(Variant(method, precision=p) for p in dict.fromkeys(baselines))
     return variants
+
+
+def _check_settings(methods, k_list, sample_k, temperatures, max_k, recipes, tree_candidates) -> None:
+    """plan_variants' range checks, before any model time is spent: one line naming the setting."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    fixed = [r for r in recipes if r != AUTO]
+    sampled_k = [sample_k] if "sdsat_sample" in methods and any(r != AUTO for r in recipes) else []
+    too_big = [k for k in (k_list if fixed else []) + sampled_k if not 1 <= k <= max_k]
+    if any(m.startswith("sdsat") for m in methods) and too_big:
+        raise ValueError(f"k values {too_big} are outside 1..{max_k}, the range this model's SATs support")
+    if not recipes or any(r not in SCHEME_CHOICES for r in recipes):
+        raise ValueError(f"--schemes must be among {', '.join(SCHEME_CHOICES)}, got {list(recipes)}")
+    if any(RECIPES[r].tree for r in fixed) and not 1 <= tree_candidates <= MAX_TREE_CANDIDATES:
+        raise ValueError(f"--tree-candidates must be between 1 and {MAX_TREE_CANDIDATES} for the tree recipes "
+                         f"(--schemes tree, lookup_tree), got {tree_candidates}")
+    for t in temperatures:  # the sampling config's own range check
+        try:
+            SamplingConfig(do_sample=True, temperature=t).validate()
+        except ValueError as err:
+            raise ValueError(f"--temperatures: {err}") from None
 
 
 @dataclass(kw_only=True)
@@ -144,6 +224,9 @@ class Measurement:
     recipe: str = "two_step"  # SDSAT methods: one of RECIPES
     passes_per_iteration: list[int] | None = None  # engine methods: forward passes of each iteration
     kinds_per_iteration: list[str] | None = None  # engine methods: what each iteration was (records.KINDS)
+    # The auto recipe: {"settings": what it decoded with, "plan": Plan.to_dict() or None, "note": the tuning's note}
+    auto: dict | None = None
+    precision: str | None = None  # vanilla on a baseline engine in this precision; None: the main engine's
 
     @property
     def tokens_per_forward_pass(self) -> float:
@@ -183,7 +266,12 @@ def measure(engine: Engine, variant: Variant, prompt_ids: list[int], max_new_tok
     sampling = SamplingConfig()
     if not variant.greedy:
         sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
-    scheme, lookup, tree, _ = RECIPES[variant.recipe]
+    if variant.auto is not None:  # the plan's own scheme, copies and runner-ups
+        planned = variant.auto.settings
+        scheme, lookup, tree = planned.scheme, True, True
+        lookup_tokens, tree_candidates = planned.lookup_tokens, planned.tree_candidates
+    else:
+        scheme, lookup, tree, _ = RECIPES[variant.recipe]
     config = DecodeConfig(method="sdsat" if variant.method.startswith("sdsat") else "vanilla",
                           k=variant.k or 1, max_new_tokens=max_new_tokens, sampling=sampling, scheme=scheme,
                           lookup_tokens=lookup_tokens if lookup else 0, lookup_ngram=lookup_ngram,
@@ -206,7 +294,8 @@ def _measure_engine(engine: Engine, variant: Variant, prompt_ids, config: Decode
         stop_reason=result.stop_reason, tokens_per_iteration=[len(s.tokens) for s in steps],
         drafted_per_iteration=[len(s.drafts) for s in steps], accepted_per_iteration=[s.accepted for s in steps],
         recipe=variant.recipe, passes_per_iteration=[s.forward_passes for s in steps],
-        kinds_per_iteration=[s.kind for s in steps])
+        kinds_per_iteration=[s.kind for s in steps], auto=variant.auto.record if variant.auto else None,
+        precision=variant.precision)
 
 
 def _measure_generate(engine: Engine, variant: Variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index,

@@ -20,8 +20,9 @@ import torch
 from ..cpu_kernels import installed_plan
 from ..hardware import describe
 from ..engine import Engine
+from ..tuning import form_of
 from .humaneval import check_completion
-from .methods import GREEDY_METHODS, METHODS, Measurement, Variant, label_of, measure
+from .methods import GREEDY_METHODS, METHODS, Measurement, Variant, measure, run_label
 from .prompts import BenchPrompt
 
 
@@ -63,6 +64,8 @@ def fitting_prompts(prompts: list[BenchPrompt], prompt_ids: list[list[int]], var
     if not isinstance(max_context, int) or max_context <= 0:
         return prompts, prompt_ids, []
     reach = 2 * max((v.k for v in variants), default=0) + config.tree_candidates + config.lookup_tokens
+    planned = [v.auto.settings for v in variants if v.auto is not None]  # the auto recipe's own copies and tree
+    reach = max([reach] + [2 * s.k + s.tree_candidates + s.lookup_tokens for s in planned])
     kept, kept_ids, skipped = [], [], []
     for prompt, ids in zip(prompts, prompt_ids):
         needed = len(ids) + config.max_new_tokens + reach
@@ -76,35 +79,49 @@ def fitting_prompts(prompts: list[BenchPrompt], prompt_ids: list[list[int]], var
     return kept, kept_ids, skipped
 
 
-def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], config: BenchConfig) -> Iterator[Variant]:
-    """Run each variant once, untimed, so lazy initialisation and caches do not count; yields each one done."""
+def engine_for(variant: Variant, engine: Engine, baselines: dict[str, Engine] | None) -> Engine:
+    """The engine a variant runs on: its precision's baseline engine, else the main one."""
+    if variant.precision is None:
+        return engine
+    if not baselines or variant.precision not in baselines:
+        raise ValueError(f"no baseline engine in {variant.precision} for {variant.label}")
+    return baselines[variant.precision]
+
+
+def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], config: BenchConfig,
+            baselines: dict[str, Engine] | None = None) -> Iterator[Variant]:
+    """Run each variant once, untimed, so lazy initialisation and caches do not count; yields each one done.
+    `baselines`: the engines of the other precisions vanilla runs in, by precision."""
     if config.warmup_tokens <= 0:
         return
     for variant in variants:
-        measure(engine, variant, prompt_ids, config.warmup_tokens, seed=config.seed, top_p=config.top_p,
-                lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
+        measure(engine_for(variant, engine, baselines), variant, prompt_ids, config.warmup_tokens, seed=config.seed,
+                top_p=config.top_p, lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
                 tree_candidates=config.tree_candidates)
         yield variant
 
 
-def measure_all(engine: Engine, variants: list[Variant], prompt_ids: list[list[int]],
-                config: BenchConfig) -> Iterator[Measurement]:
-    """Every variant on every prompt, `repeats` times; yields each measurement as it completes."""
+def measure_all(engine: Engine, variants: list[Variant], prompt_ids: list[list[int]], config: BenchConfig,
+                baselines: dict[str, Engine] | None = None) -> Iterator[Measurement]:
+    """Every variant on every prompt, `repeats` times; yields each measurement as it completes.
+    A variant with a precision runs on that precision's engine in `baselines`, in the same rotation."""
     for index, ids in enumerate(prompt_ids):
         shift = index % len(variants)
         order = variants[shift:] + variants[:shift]
         for repeat in range(config.repeats):
             for variant in order:
-                yield measure(engine, variant, ids, config.max_new_tokens, seed=config.seed_for(index, repeat),
-                              top_p=config.top_p, lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
-                              tree_candidates=config.tree_candidates, prompt_index=index, repeat=repeat)
+                yield measure(engine_for(variant, engine, baselines), variant, ids, config.max_new_tokens,
+                              seed=config.seed_for(index, repeat), top_p=config.top_p, lookup_ngram=config.lookup_ngram,
+                              lookup_tokens=config.lookup_tokens, tree_candidates=config.tree_candidates,
+                              prompt_index=index, repeat=repeat)
 
 
 def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float = 10.0) -> dict:
     """HumanEval pass@1 per variant from the first repeat of each prompt (one sample per problem).
 
-    Returns {"by_variant": {label: {"passed", "total", "pass_at_1"}}, "results": [per run verdict],
-    "greedy_equal": whether every greedy variant passed exactly the problems vanilla passed}.
+    Returns {"by_variant": {label: {"passed", "total", "pass_at_1", ...}}, "results": [per run verdict],
+    "greedy_equal": whether every greedy variant in the main engine's precision passed exactly the problems
+    vanilla passed}.
     Identical completions are executed once.
     """
     problems = {p.index: p.problem for p in prompts if p.problem is not None}
@@ -120,8 +137,9 @@ def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float
         if key not in cache:
             cache[key] = check_completion(problem, run["text"], timeout=timeout).result
         verdict = cache[key]
-        label = label_of(run["method"], run["k"], run["temperature"], run.get("scheme", "two_step"))
-        stats = by_variant.setdefault(label, {"passed": 0, "total": 0, "greedy": run["method"] in GREEDY_METHODS})
+        label = run_label(run)
+        stats = by_variant.setdefault(label, {"passed": 0, "total": 0, "greedy": run["method"] in GREEDY_METHODS,
+                                              "precision": run.get("precision")})
         stats["total"] += 1
         stats["passed"] += verdict == "passed"
         if verdict == "passed":
@@ -129,7 +147,8 @@ def score_pass_at_1(prompts: list[BenchPrompt], runs: list[dict], timeout: float
         results.append({"prompt_index": run["prompt_index"], "label": label, "result": verdict})
     for stats in by_variant.values():
         stats["pass_at_1"] = stats["passed"] / stats["total"]
-    greedy = [label for label, s in by_variant.items() if s["greedy"]]
+    # Vanilla in another precision may round to other tokens: its outputs need not match.
+    greedy = [label for label, s in by_variant.items() if s["greedy"] and not s["precision"]]
     reference = passed_sets.get("vanilla", set())
     equal = all(passed_sets.get(label, set()) == reference for label in greedy)
     return {"by_variant": by_variant, "results": results, "greedy_equal": equal, "timeout_seconds": timeout}
@@ -142,12 +161,23 @@ def machine_info(engine: Engine) -> dict:
     plan = installed_plan(engine.model)
     return describe(engine.model) | {
         "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)",
+        "form": form_of(engine.model),  # tuning.ROUTED or INVARIANT: the kernels every method but baselines ran
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def baseline_info(baselines: dict[str, Engine]) -> dict:
+    """Per precision of the baseline engines: its dtype, kernel form and CPU kernel plan."""
+    info = {}
+    for precision, engine in baselines.items():
+        plan = installed_plan(engine.model)
+        info[precision] = {"dtype": describe(engine.model)["dtype"], "form": form_of(engine.model),
+                           "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)"}
+    return info
 
 
 def git_commit() -> str | None:
