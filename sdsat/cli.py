@@ -211,10 +211,13 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
                                         cpu_kernels=not args.no_cpu_kernels),
                              SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
         config = decode_config(args, max_k=engine.max_k)
-        if args.scheme == "auto" and config.method == "sdsat":
-            given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
-            config = engine.auto_config(config, explicit={name for name, value in given.items() if value is not None})
-            config.validate(max_k=engine.max_k)
+        if args.scheme == "auto":
+            # Vanilla too: it then decodes in the precision and kernel form SDSAT would, token for token.
+            engine.tune()
+            if config.method == "sdsat":
+                given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
+                config = engine.auto_config(config, explicit={n for n, value in given.items() if value is not None})
+                config.validate(max_k=engine.max_k)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
         events = engine.stream(prompt_ids, config)  # checks the prompt against the model's context
     held.release()

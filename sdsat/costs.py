@@ -24,7 +24,7 @@ from .sat import SatModel
 from .tree import DraftTree
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)  # plain block sizes timed; others take the next timed one
-CONTEXT = 128  # tokens in the KV cache while timing (a short prompt plus some output)
+CONTEXT = 256  # tokens in the KV cache while timing: a prompt and some output, as when decoding
 # Largest difference between a row computed alone and in a block, relative to the row's largest logit, that
 # still counts as "close": float32 rounding stays orders of magnitude below it, bfloat16's does not.
 CLOSE_DRIFT = 1e-3

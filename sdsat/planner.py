@@ -26,6 +26,7 @@ from .tree import MAX_EXTRA, DraftTree
 TRACE_FILE = "acceptance.json"
 LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turns lookup on
 LOOKUP_NGRAM = 2
+MARGIN = 0.03  # predicted speed-ups this close count as a tie (see `choose`)
 MISSED = 9  # a rank of this or above: the true token was not among the SAT's top choices kept
 
 
@@ -191,6 +192,13 @@ def candidates(max_k: int, greedy: bool = True, depth: int | None = None,
     return out
 
 
+def _width(settings: Settings) -> int:
+    """Positions of a setting's pass after a SAT draft: its verify pass, or the fused pass."""
+    if settings.scheme == "fused":
+        return (settings.k + 1) ** 2
+    return 1 + len(DraftTree.for_k(settings.k, settings.tree_candidates).paths)
+
+
 def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: float) -> Prediction:
     """Median over prompts of the replayed speed-up against a vanilla decode at `baseline_s` per token."""
     ratios, same, tokens, passes = [], [], 0, 0
@@ -224,9 +232,15 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
             scored.append((predict(trace, settings, curve, baseline[1]), curve.dtype))
     if not scored:
         raise ValueError("no precision is usable for SDSAT on this machine")
-    # Best predicted speed-up; ties go to the cheaper setting (smaller k, fewer candidates), then to the listed order.
+    # Best predicted speed-up, and among the settings predicted within MARGIN of it the narrowest (fewest
+    # positions per verify pass, then smallest k): the replay prices passes from a curve measured at one
+    # context length, and wide passes were the ones it underpriced.
     scored.sort(key=lambda s: (-round(s[0].speedup, 6), s[0].settings.k, s[0].settings.tree_candidates))
-    best, dtype = scored[0]
+    top = scored[0][0].speedup
+    close = [s for s in scored if s[0].speedup >= top * (1 - MARGIN)]
+    best, dtype = min(close, key=lambda s: (_width(s[0].settings), s[0].settings.k, -s[0].speedup))
+    scored.remove((best, dtype))
+    scored.insert(0, (best, dtype))
     s = best.settings
     what = (f"{s.scheme} k={s.k}" + (f", prompt lookup {s.lookup_tokens}" if s.lookup_tokens else "")
             + (f", draft tree +{s.tree_candidates}" if s.tree_candidates else ""))

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 CPU_PRECISIONS = ("float32", "bfloat16")
 INVARIANT, ROUTED = "row-invariant", "routed"  # the two forms of a precision on a CPU
-_FORMAT = 2
+_FORMAT = 3
 
 
 @dataclass
