@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
+
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import timing
 from .hardware import cpu_name
 
 # x W^T as F.linear, as (W x^T)^T, through oneDNN, through oneDNN with W stored in its blocked layout
@@ -41,7 +42,7 @@ ROUTED_DTYPES = (torch.float32, torch.bfloat16)
 # at most this many, partial products summed in float32. Chunks this short came out bit-equal for a row alone
 # and in blocks of 2..32 rows on the CPUs measured; longer ones did not (the kernel splits them by row count).
 INVARIANT_CHUNK = 768
-INVARIANT_ROWS = 128  # up to this many rows per pass (verify blocks of up to 64 lookup copies included)
+INVARIANT_ROWS = 4096  # up to this many rows per pass: a prompt's prefill too (other decoders feed it with drafts)
 _PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
             _PLANS[key] = KernelPlan(choices)
             return _PLANS[key]
         _set_aside(cache_file, "its plan for this machine and model has bad entries")
-    start = time.perf_counter()
+    start = timing.now()
     plan = KernelPlan()
     total = sum(m.weight.numel() * m.weight.element_size() for mods in groups.values() for m in mods)
     variants = _available_variants(total, next(iter(groups.values()))[0].weight.dtype if groups else torch.float32)
@@ -173,13 +174,13 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
                 times = {v: float("inf") for v in variants}
                 for _ in range(repeats + 1):  # interleaved; the first round also warms up
                     for variant in variants:
-                        t0 = time.perf_counter()
+                        t0 = timing.now()
                         for w, p in zip(weights, packed):
                             _product(variant, x, w, p)
-                        times[variant] = min(times[variant], time.perf_counter() - t0)
+                        times[variant] = min(times[variant], timing.now() - t0)
                 best[rows] = min(variants, key=times.__getitem__)
             plan.choices[shape] = [best[min(t for t in best if t >= rows)] for rows in range(1, max_rows + 1)]
-    plan.seconds = time.perf_counter() - start
+    plan.seconds = timing.now() - start
     _PLANS[key] = plan
     if cache_file is not None:
         # Written whole to a temporary file and renamed over the old one: a reader (another process, or

@@ -525,8 +525,17 @@ def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(t
     from sdsat.costs import measure_curve
     from sdsat.engine import Engine
 
-    monkeypatch.setattr(tuning, "measure_curve", lambda sat_model, **kw: measure_curve(
-        sat_model, **(dict(widths=(1, 2, 4, 8, 16), context=32, repeats=1) | kw)))
+    def fake_curve(sat_model, widths=(1, 2, 4, 8, 16), drafts=None, **kw):
+        """Real passes (cheap ones) but fixed prices: float32 twice as fast as bfloat16, so the plan decodes in
+        float32 whatever the machine's load, and bfloat16's vanilla needs an engine of its own."""
+        curve = measure_curve(sat_model, widths=widths, drafts=drafts, context=32, repeats=1)
+        scale = 0.01 if tuning.dtype_name(sat_model.model) == "float32" else 0.02
+        curve.plain = {w: scale * (1 + 0.01 * w) for w in curve.plain}
+        curve.draft = {k: scale * (1.1 + 0.01 * k) for k in curve.draft}
+        curve.spread = 1.0
+        return curve
+
+    monkeypatch.setattr(tuning, "measure_curve", fake_curve)
     monkeypatch.setattr(engine_module, "cache_dir", lambda: tmp_path)  # these fake curves stay out of the cache
     calls = []
     stream = Engine.stream

@@ -13,7 +13,7 @@ from sdsat.checkpoints import known_checkpoint
 from sdsat.decoding import DecodeConfig, collect
 from sdsat.engine import Engine
 from sdsat.models import LoadConfig, resolve_dtype
-from sdsat.ui.handlers import Page
+from sdsat.ui.handlers import MODEL_OUTPUTS, Page
 from sdsat.ui.settings import REQUEST_INPUTS, Limits
 
 SAT_ID = 32011  # the paper's checkpoints' SAT: a vocabulary row past the tokenizer's 32000 ids
@@ -85,8 +85,9 @@ def test_the_same_folder_under_another_name_gets_no_table_entry(checkpoint: Path
 
 def test_the_page_races_a_known_checkpoint_and_hides_chat(checkpoint: Path):
     page = Page(Limits(models=[str(checkpoint)]))
-    k_slider, chat_box, chat_examples = page.model_controls(str(checkpoint))
-    assert k_slider["maximum"] == 15 and chat_box["visible"] is False and chat_examples["visible"] is False
+    controls = dict(zip(MODEL_OUTPUTS, page.model_controls(str(checkpoint))))
+    assert controls["k"]["maximum"] == 15
+    assert controls["chat"]["visible"] is False and controls["chat_examples"]["visible"] is False
     request = ("def add ( a , b ) :", str(checkpoint), False, "greedy", 15, 16, 1.0, 1.0, 0, 0, 0, 0)
     result = page.generate_sync(dict(zip(REQUEST_INPUTS, request)))
     assert result["identical"] is True and result["sdsat"]["token_ids"] == result["vanilla"]["token_ids"]

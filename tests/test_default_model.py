@@ -16,7 +16,7 @@ from sdsat import default_model
 from sdsat.default_model import (DEFAULT_MODEL, MANIFEST, DefaultModelError, default_model_folder, find_gguf,
                                  is_complete)
 from sdsat.models import LoadConfig, ModelLoadError, load_model
-from sdsat.ui.handlers import Page
+from sdsat.ui.handlers import MODEL_OUTPUTS, Page
 from sdsat.ui.settings import REQUEST_INPUTS, Limits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,6 +122,6 @@ def test_a_model_that_fails_to_load_leaves_the_page_up_and_is_tried_again(no_sou
 def test_the_default_model_offers_chat(default_engine):
     page = Page(Limits())
     page.cache.add(default_engine)
-    k_slider, chat_box, chat_examples = page.model_controls(DEFAULT_MODEL)
-    assert (chat_box["visible"] is True and chat_examples["visible"] is True
-            and k_slider["maximum"] == default_engine.max_k)
+    controls = dict(zip(MODEL_OUTPUTS, page.model_controls(DEFAULT_MODEL)))
+    assert (controls["chat"]["visible"] is True and controls["chat_examples"]["visible"] is True
+            and controls["k"]["maximum"] == default_engine.max_k)
