@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import types
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import timing
+from . import jsonfile, timing
 from .hardware import cpu_name
 
 # x W^T as F.linear, as (W x^T)^T, through oneDNN, through oneDNN with W stored in its blocked layout
@@ -182,32 +181,16 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
             plan.choices[shape] = [best[min(t for t in best if t >= rows)] for rows in range(1, max_rows + 1)]
     plan.seconds = timing.now() - start
     _PLANS[key] = plan
-    if cache_file is not None:
-        # Written whole to a temporary file and renamed over the old one: a reader (another process, or
-        # this one after a crash) sees the old plan or the new one, never half of one.
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            kept = {k: v for k, v in _read(cache_file).items()
-                    if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
-            tmp.write_text(json.dumps(kept | {key: plan.summary()}, indent=1))
-            tmp.replace(cache_file)
-        except OSError:  # a read-only home: tune again next time
-            pass
-        finally:
-            tmp.unlink(missing_ok=True)
+    if cache_file is not None:  # a read-only home: tuned again next time
+        kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
+        jsonfile.write_object(cache_file, kept | {key: plan.summary()}, indent=1)
     return plan
 
 
 def _read(cache_file: Path | None) -> dict:
     """The stored plans by key; a file that is not a JSON object is set aside (and replaced once tuned)."""
-    if cache_file is None or not cache_file.is_file():
-        return {}
-    try:
-        stored = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        stored = None
-    if not isinstance(stored, dict):
+    stored = jsonfile.read_object(cache_file)
+    if stored is None:
         _set_aside(cache_file, "it is not a JSON object of plans")
         return {}
     return stored

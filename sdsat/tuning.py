@@ -25,13 +25,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import attention, cpu_kernels
+from . import attention, cpu_kernels, jsonfile
 from .costs import CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
@@ -192,7 +191,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     """Measure every precision worth trying, plan, and leave the model in the chosen precision and form."""
     model = sat_model.model
     tuning = Tuning()
-    stored = _read(cache_file)
+    stored = jsonfile.read_object(cache_file) or {}
     for precision in precisions_to_try(model, fixed_dtype):
         key = json.dumps([_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), model_name,
                           str(next(model.parameters()).device.type), precision, sat_model.max_k, kernels])
@@ -212,7 +211,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
         tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = form, curve, rows
         if routed is not None:
             tuning.vanilla_s[f"{precision} {ROUTED}"] = routed
-    _write(cache_file, stored)
+    if cache_file is not None:
+        jsonfile.write_object(cache_file, stored)
     _plan(tuning, sat_model, kernels)
     return tuning
 
@@ -233,27 +233,3 @@ def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:
         if (precision, form) != (dtype_name(sat_model.model), form_of(sat_model.model)):
             set_precision(sat_model, precision, kernels, form)
         log.info("auto: %s", tuning.plan.reason)
-
-
-def _read(cache_file: Path | None) -> dict:
-    if cache_file is None or not cache_file.is_file():
-        return {}
-    try:
-        stored = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return stored if isinstance(stored, dict) else {}
-
-
-def _write(cache_file: Path | None, stored: dict) -> None:
-    if cache_file is None:
-        return
-    tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(stored))
-        tmp.replace(cache_file)
-    except OSError:  # a read-only cache: measured again next time
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
