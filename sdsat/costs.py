@@ -179,6 +179,12 @@ def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 64,
         rollback(cache, context)
         alone_rows += alone
         block_rows += [block[i] for i in chain]
+        # A runner-up at depth 1 sees the cache, t and itself, not the chain between (keys gathered, not a prefix).
+        node = 1 + tree.paths.index((1,))
+        sat_model.forward(ids[:, :1], cache=cache, logits_to_keep=1)
+        alone_rows.append(sat_model.forward(ids[:, node:node + 1], cache=cache, logits_to_keep=1)[0, -1])
+        block_rows.append(block[node])
+        rollback(cache, context)
         k = min(3, sat_model.max_k)
         slots = torch.cat([torch.tensor([-1]), torch.arange(k)])[None].to(device)
         draft = sat_model.forward(ids[:, :k + 1], slots, cache=cache, logits_to_keep=k + 1)[0, 0]

@@ -41,7 +41,7 @@ ROUTED_DTYPES = (torch.float32, torch.bfloat16)
 # at most this many, partial products summed in float32. Chunks this short came out bit-equal for a row alone
 # and in blocks of 2..32 rows on the CPUs measured; longer ones did not (the kernel splits them by row count).
 INVARIANT_CHUNK = 768
-INVARIANT_ROWS = 4096  # up to this many rows per pass: a prompt's prefill too (other decoders feed it with drafts)
+INVARIANT_ROWS = 32  # the plan's length; the invariant form serves every row count (a prompt's prefill too)
 _PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,10 @@ def _chunked_product(x: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tenso
     return out.to(x.dtype)
 
 
-def invariant_available() -> bool:
-    """Whether this torch build runs the invariant form (oneDNN's blocked products, internal to torch)."""
-    return "onednn_packed" in _available_variants(0)
+def invariant_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU run the invariant form in `dtype` (oneDNN's blocked products are
+    internal to torch, and its bfloat16 path needs AVX-512 or AMX)."""
+    return "onednn_packed" in _available_variants(0, dtype)
 
 
 def invariant_plan(model: nn.Module) -> KernelPlan:
@@ -254,9 +255,11 @@ def installed_plan(model: nn.Module) -> KernelPlan | None:
 
 def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    if not 1 <= rows <= len(self._sdsat_choices) or torch.is_grad_enabled():
+    invariant = self._sdsat_choices[0] == "invariant"  # every row count, a prompt's prefill included
+    if not (1 <= rows <= len(self._sdsat_choices) or (invariant and rows)) or torch.is_grad_enabled():
         return nn.functional.linear(x, self.weight, self.bias)
-    out = _product(self._sdsat_choices[rows - 1], x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_packed)
+    variant = "invariant" if invariant else self._sdsat_choices[rows - 1]
+    out = _product(variant, x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_packed)
     if self.bias is not None:
         out = out + self.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

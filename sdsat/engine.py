@@ -14,7 +14,7 @@ from typing import Iterator
 
 from . import ASSETS
 from .checkpoints import known_checkpoint
-from .decoding import DecodeConfig, Event, GenerationResult, collect, decode
+from .decoding import SCHEMES, DecodeConfig, Event, GenerationResult, collect, decode
 from .default_model import cache_dir
 from .models import DEFAULT_MODEL, LoadConfig, load_model
 from .prompts import encode_prompt, eos_ids_of
@@ -58,7 +58,8 @@ class Engine:
 
     def auto_config(self, config: DecodeConfig, explicit: set[str] = frozenset()) -> DecodeConfig:
         """`config` with the planned scheme, k, lookup and tree, except the fields named in `explicit`."""
-        plan = self.tune().plan
+        tuning = self.tune()
+        plan = tuning.plan if not config.sampling.do_sample else tuning.plan_for(SCHEMES, greedy=False)
         if plan is None:
             return config
         chosen = {name: value for name, value in vars(plan.settings).items() if name not in explicit}

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 
 from . import attention, cpu_kernels, jsonfile
 from .costs import CostCurve, RowCheck, check_rows, measure_curve
@@ -105,7 +106,9 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     model = sat_model.model
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
+    buffers = _float_buffers(model)  # the rotary frequencies: .to() would round them to `dtype` for good
     model.to(dtype)
+    _put_buffers(model, buffers)
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
@@ -115,6 +118,16 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
         cpu_kernels.install(model, cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json"))
+
+
+def _float_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers() if b.is_floating_point()}
+
+
+def _put_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    for name, value in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, value)
 
 
 def form_of(model: torch.nn.Module) -> str:
@@ -133,6 +146,7 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
     modules = [m for m in (model, sat_model.adapter) if m is not None]
     saved = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules]
     dtypes = [next(m.parameters()).dtype for m in modules]
+    buffers = _float_buffers(model)
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
     try:
@@ -143,6 +157,7 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
         for m, state, dtype in zip(modules, saved, dtypes):
             m.to(dtype)
             m.load_state_dict(state)
+        _put_buffers(model, buffers)
         model.set_attn_implementation(attn)
         if plan is not None:
             cpu_kernels.install(model, plan)
@@ -174,8 +189,10 @@ def load_trace(sat_model) -> Trace | None:
 
 def _measure(sat_model, precision: str, kernels: bool) -> tuple[str, CostCurve, RowCheck, float | None]:
     """(form, its curve, its row check, the routed form's one-token seconds when SDSAT's form is another)."""
-    on_cpu = kernels and next(sat_model.model.parameters()).device.type == "cpu"
-    if on_cpu and cpu_kernels.invariant_available():
+    model = sat_model.model
+    on_cpu = kernels and next(model.parameters()).device.type == "cpu"
+    size = sum(p.numel() * p.element_size() for p in model.parameters())  # the form keeps a blocked copy
+    if on_cpu and size <= cpu_kernels.COPY_LIMIT_BYTES and cpu_kernels.invariant_available(getattr(torch, precision)):
         with trying(sat_model, precision, kernels, INVARIANT), torch.inference_mode():
             curve, rows = measure_curve(sat_model), check_rows(sat_model)
         if rows.invariant:
@@ -193,7 +210,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     tuning = Tuning()
     stored = jsonfile.read_object(cache_file) or {}
     for precision in precisions_to_try(model, fixed_dtype):
-        key = json.dumps([_FORMAT, cpu_name(), torch.__version__, torch.get_num_threads(), model_name,
+        key = json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
+                          model_name,
                           str(next(model.parameters()).device.type), precision, sat_model.max_k, kernels])
         try:
             entry = stored[key]
@@ -205,7 +223,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
                 log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
                             "%.1f-fold); they are used now and measured again at the next start", precision,
                             curve.spread)
-            else:
+            elif form == ROUTED or routed is not None:  # a noisy routed timing is measured again next time
                 stored[key] = {"form": form, "curve": curve.to_dict(), "routed_s": routed,
                                "rows": {k: v for k, v in rows.to_dict().items() if k not in ("invariant", "close")}}
         tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = form, curve, rows
@@ -221,6 +239,9 @@ def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:
     """Choose, and leave the model in the chosen precision and form."""
     trace = tuning.trace = load_trace(sat_model)
     tuning.max_k = sat_model.max_k
+    loaded = dtype_name(sat_model.model)
+    if loaded in tuning.usable and tuning.forms.get(loaded) == INVARIANT:  # exact decoding even without a plan
+        set_precision(sat_model, loaded, kernels, INVARIANT)
     if trace is None:
         tuning.note = "no acceptance trace ships with these SATs: auto uses the default settings"
     elif not tuning.usable:

@@ -4,7 +4,9 @@ greedy identity, and the engine's `auto` settings (planner.py has the synthetic-
 from __future__ import annotations
 
 import pytest
+import torch
 
+from sdsat import attention as sdsat_attention
 from sdsat import cpu_kernels, tuning
 from sdsat.costs import check_rows, measure_curve
 from sdsat.decoding import DecodeConfig, collect, decode
@@ -14,11 +16,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _state(sat_model) -> dict:
+    """Parameters and every buffer (the rotary frequencies are not in the state dict)."""
     return {k: v.clone() for m in (sat_model.model, sat_model.adapter) if m is not None
-            for k, v in m.state_dict().items()}
+            for k, v in [*m.state_dict().items(), *m.named_buffers()]}
 
 
-INVARIANT_HERE = pytest.mark.skipif(not cpu_kernels.invariant_available(), reason="torch built without oneDNN")
+INVARIANT_HERE = pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bfloat16),
+                                    reason="no oneDNN, or no bfloat16 oneDNN path on this CPU")
 
 
 @INVARIANT_HERE
@@ -50,6 +54,24 @@ def test_routed_float32_differs_by_rounding_alone(kind):
     with tuning.trying(sat_model, "float32", form=tuning.ROUTED):
         check = check_rows(sat_model)
     assert check.close and check.argmax_equal == check.rows, check
+
+
+@INVARIANT_HERE
+def test_trying_a_precision_restores_the_model_bit_for_bit():
+    sat_model = make_sat_model("adapter")
+    model = sat_model.model
+    plan = cpu_kernels.KernelPlan({tuple(m.weight.shape): ["linear"] * 4 for m in model.modules()
+                                   if isinstance(m, torch.nn.Linear)})
+    cpu_kernels.install(model, plan)
+    before, attention = _state(sat_model), model.config._attn_implementation
+    with tuning.trying(sat_model, "bfloat16", form=tuning.INVARIANT):
+        assert model.config._attn_implementation == sdsat_attention.NAME
+        assert cpu_kernels.installed_plan(model).invariant
+        assert next(model.parameters()).dtype == torch.bfloat16
+        assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())  # not rounded
+    after = _state(sat_model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert model.config._attn_implementation == attention and cpu_kernels.installed_plan(model) is plan
 
 
 def test_cost_curve_covers_plain_and_draft_blocks():
