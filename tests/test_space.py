@@ -142,9 +142,15 @@ def test_the_space_then_fetches_the_default_model_and_decodes_identically(space,
     result = Client(space["url"], verbose=False).predict(*GENERATE_ARGS, api_name="/generate")
     assert result["identical"] is True and result["vanilla"]["new_tokens"] == NEW_TOKENS
     assert result["sdsat"]["token_ids"] == result["vanilla"]["token_ids"]
-    # The Hub-fetched file is the packaged one: the same tokens as the model this test run loaded from the package.
+    # The Hub-fetched file is the packaged one: the same tokens as the model this test run loaded from the package,
+    # decoding in the precision and kernel form the Space's tuning chose (its race reports them).
+    from sdsat import tuning
+
+    decoding = (result["cost_curve"] or {}).get("decoding") or "float32 routed"
+    precision, form = decoding.split(" ", 1)
     ids = default_engine.encode(PROMPT)
-    reference = collect(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
+    with tuning.trying(default_engine.sat_model, precision, form=form):
+        reference = collect(default_engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=NEW_TOKENS)))
     assert result["vanilla"]["token_ids"] == reference.token_ids
     assert len(complete_downloads(space["hf_cache"])) == 1
     assert "Traceback" not in space["log"].read_text()
