@@ -398,6 +398,9 @@ import signal, sys, threading, time
 from pathlib import Path
 from sdsat.bench.humaneval import run_program
 
+# A child inherits an ignored or blocked SIGINT from its parent (pytest, after whatever ran in it): undo both.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 pid_file = Path(sys.argv[1])
 program = f"import os, time\\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\\ntime.sleep(60)\\n"
 main = threading.main_thread().ident
