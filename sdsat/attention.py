@@ -1,41 +1,68 @@
-"""Row-invariant attention: each query row attends over exactly the keys it may see, one row at a time.
+"""Row-invariant attention: a row of a block comes out bit for bit as the same token computed alone.
 
 Greedy SDSAT reproduces vanilla decoding only if a token's logits come out the same whether it is
 computed alone (vanilla) or as one row of a verify block. Batched attention breaks that: a block's
 row also "sees" the keys masked out for it, so its softmax sum and its product with the values run
-over a longer axis than the same row alone, and the kernels reduce a longer axis in another order.
-Here every row's keys are cut to the ones it sees, in cache order, so row t of a block performs the
-very operations the lone token does. The cost is one small attention call per row and layer.
+over a longer axis than the same row alone, and the kernels pick their order of operations by the
+shapes (how many rows, how many keys, how the threads split them). Two ways around it:
+
+* Tiled (`TILED`): every attention call has the same shape, whatever the block. Rows go in tiles of
+  `TILE_ROWS` (the last one padded with zero queries); a row's keys are padded, masked, to the next
+  multiple of `KEY_BLOCK` of the keys it sees, and rows whose counts round to another multiple go in
+  another call. A row of a block and the same token alone then run one kernel on one shape, and the
+  keys masked for it add exact zeros. Off the kernels' guarantees, so the tuner checks it on each
+  machine (costs.check_rows) before using it. A few calls per layer, however many rows.
+* Per row (`PER_ROW`): each row attends over exactly the keys it sees, alone. Invariant wherever one
+  kernel call is deterministic, but one call per row and layer: the fallback.
+
+Both cut a draft tree's node to its own keys (the cache, then its ancestors) before attending.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-NAME = "sdsat_row_invariant"
+TILED, PER_ROW = "sdsat_tiled", "sdsat_row_invariant"
+TILE_ROWS = 8  # query rows per call
+KEY_BLOCK = 64  # keys are padded to a multiple of this
 
 
-def row_invariant_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
-    """transformers' attention signature: query (B, H, T, D), key/value (B, Hkv, S, D), a boolean (True: seen) or
-    additive mask (B, 1, T, S) or None (causal); returns (B, T, H, D) and no weights. One sequence per batch."""
+def _check(query: torch.Tensor) -> None:
     if query.shape[0] != 1:
         raise ValueError("row-invariant attention decodes one sequence at a time")
+
+
+def _as_float(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    # CPUs without half-precision attention kernels take a slow path; float32 is also what the lone row uses
+    return [t if t.dtype == torch.float32 else t.float() for t in tensors]
+
+
+def _seen(attention_mask: torch.Tensor, t: int) -> torch.Tensor:
+    """Indices of the keys row t sees, from a boolean (True: seen) or additive (0: seen) mask."""
+    row = attention_mask[0, 0, t]
+    return (row if row.dtype == torch.bool else row == 0).nonzero().squeeze(-1)
+
+
+def per_row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """transformers' attention signature: query (B, H, T, D), key/value (B, Hkv, S, D), a boolean (True: seen) or
+    additive mask (B, 1, T, S) or None (causal); returns (B, T, H, D) and no weights. One sequence per batch."""
+    _check(query)
     dtype = query.dtype
     rows, keys = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
-    if query.dtype != torch.float32:  # CPUs without half-precision attention kernels take a slow path
-        query, key, value = query.float(), key.float(), value.float()
+    query, key, value = _as_float(query, key, value)
     outs = []
     for t in range(rows):
         if attention_mask is None:  # causal: the keys up to this row's own
             k, v = key[:, :, :keys - rows + t + 1], value[:, :, :keys - rows + t + 1]
         else:
-            row = attention_mask[0, 0, t]
-            seen = (row if row.dtype == torch.bool else row == 0).nonzero().squeeze(-1)
+            seen = _seen(attention_mask, t)
             if int(seen[-1]) + 1 == seen.numel():  # a prefix of the keys: a view, no copy
                 k, v = key[:, :, :seen.numel()], value[:, :, :seen.numel()]
             else:  # a draft tree's node: the cache, then its ancestors
@@ -45,8 +72,117 @@ def row_invariant_attention(module, query: torch.Tensor, key: torch.Tensor, valu
     return out.to(dtype).transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Make the attention selectable as `model.set_attn_implementation(NAME)`; returns NAME."""
-    AttentionInterface.register(NAME, row_invariant_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+def _padded(n: int) -> int:
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
+@dataclass
+class _Tile:
+    first: int  # rows first..last-1 of the block (or one gathered row)
+    last: int
+    mask: torch.Tensor  # (Hkv, group * TILE_ROWS, keys) additive, keys a multiple of KEY_BLOCK
+    index: torch.Tensor | None = None  # a gathered row's keys (a tree node: the cache, then its ancestors)
+
+
+@dataclass
+class _Layout:
+    """How one pass's rows are cut into calls: the same for every layer of the pass, so made once."""
+
+    tiles: list[_Tile]
+    keys: int  # the widest padded key count
+
+
+def _tile_mask(lengths: list[int], keys: int, kv_heads: int, group: int, device) -> torch.Tensor:
+    """Additive mask of a tile whose rows see the first `lengths` keys; its padding rows see one key."""
+    counts = torch.tensor(lengths + [1] * (TILE_ROWS - len(lengths)), device=device)
+    mask = torch.zeros(TILE_ROWS, keys, device=device).masked_fill_(
+        torch.arange(keys, device=device) >= counts[:, None], float("-inf"))
+    return mask.expand(kv_heads, group, TILE_ROWS, keys).reshape(kv_heads, group * TILE_ROWS, keys)
+
+
+def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, kv_heads: int, group: int, device) -> _Layout:
+    if attention_mask is None:  # causal
+        lengths, prefix = [keys - rows + t + 1 for t in range(rows)], [True] * rows
+    else:
+        seen = attention_mask[0, 0]
+        seen = seen if seen.dtype == torch.bool else seen == 0
+        counts = seen.sum(-1)
+        lengths = counts.tolist()
+        prefix = (seen == (torch.arange(keys, device=device) < counts[:, None])).all(-1).tolist()
+    tiles, t = [], 0
+    while t < rows:
+        if not prefix[t]:
+            index = _seen(attention_mask, t)
+            n = index.numel()
+            tiles.append(_Tile(t, t + 1, _tile_mask([n], _padded(n), kv_heads, group, device), index))
+            t += 1
+            continue
+        end, padded = t + 1, _padded(lengths[t])
+        while end < rows and end - t < TILE_ROWS and prefix[end] and _padded(lengths[end]) == padded:
+            end += 1
+        tiles.append(_Tile(t, end, _tile_mask(lengths[t:end], padded, kv_heads, group, device)))
+        t = end
+    return _Layout(tiles, max(tile.mask.shape[-1] for tile in tiles))
+
+
+_LAST: tuple | None = None  # (mask, shape, layout) of the latest pass: every layer of a pass shares it
+
+
+def _layout_of(attention_mask: torch.Tensor | None, rows: int, keys: int, kv_heads: int, group: int,
+               device) -> _Layout:
+    global _LAST
+    shape = (rows, keys, kv_heads, group, TILE_ROWS, KEY_BLOCK)
+    last = _LAST
+    if last is not None and last[0] is attention_mask and last[1] == shape:
+        return last[2]
+    layout = _layout(attention_mask, rows, keys, kv_heads, group, device)
+    _LAST = (attention_mask, shape, layout)  # keeps the mask alive, so `is` cannot match a new one
+    return layout
+
+
+def _padded_float(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(1, Hkv, S, D) as float32 (Hkv, width, D), zeros past S: finite, and masked for every row."""
+    out = x.new_empty((x.shape[1], width, x.shape[3]), dtype=torch.float32)
+    out[:, :x.shape[2]] = x[0]
+    out[:, x.shape[2]:] = 0
+    return out
+
+
+def _gathered(x: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+    """(Hkv, width, D): x's rows at `index` first, then zeros."""
+    out = x.new_zeros((x.shape[0], width, x.shape[2]))
+    out[:, :index.numel()] = x.index_select(1, index)
+    return out
+
+
+def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """The signature of `per_row_attention`. Every product has TILE_ROWS rows per query head and a multiple of
+    KEY_BLOCK keys, in float32: scores, softmax and the weighted values as three batched calls per tile."""
+    _check(query)
+    _, heads, rows, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    layout = _layout_of(attention_mask, rows, keys, kv_heads, group, query.device)
+    width = max(layout.keys, keys)
+    key, value = _padded_float(key, width), _padded_float(value, width)
+    out = query.new_empty((1, rows, heads, dim))
+    for tile in layout.tiles:
+        n, padded = tile.last - tile.first, tile.mask.shape[-1]
+        q = query.new_zeros((kv_heads, group, TILE_ROWS, dim), dtype=torch.float32)
+        q[:, :, :n] = query[0, :, tile.first:tile.last].view(kv_heads, group, n, dim)
+        k, v = key[:, :padded], value[:, :padded]
+        if tile.index is not None:  # a tree node's keys, gathered into a prefix
+            k, v = _gathered(key, tile.index, padded), _gathered(value, tile.index, padded)
+        scores = torch.baddbmm(tile.mask, q.view(kv_heads, group * TILE_ROWS, dim), k.transpose(1, 2), alpha=scaling)
+        o = torch.bmm(torch.softmax(scores, -1), v).view(kv_heads, group, TILE_ROWS, dim)
+        out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(o[:, :, :n].permute(2, 0, 1, 3))
+    return out, None
+
+
+def register() -> tuple[str, str]:
+    """Make both forms selectable as `model.set_attn_implementation(TILED or PER_ROW)`."""
+    for name, function in ((TILED, tiled_attention), (PER_ROW, per_row_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
+    return TILED, PER_ROW

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -111,6 +113,8 @@ class SatAdapter(nn.Module):
         # Input embedding of every SAT row when the SAT embeddings are injected higher up; fixed.
         self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # see _sat_input
+        self._scaled_b: dict[str, tuple[tuple, torch.Tensor]] = {}  # see _scaled
 
     @property
     def scale(self) -> float:
@@ -175,6 +179,8 @@ class SatAdapter(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._last_input = None
+        self._scaled_b.clear()
 
     def _make_hook(self, key: str):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
@@ -184,16 +190,36 @@ class SatAdapter(nn.Module):
             start, x = current[0], inputs[0]
             a, b = self.lora_a[key], self.lora_b[key]
             if output.shape[0] == 1 and not torch.is_grad_enabled():
-                # Decoding: one multiply-add into the SAT rows of the layer's fresh output (this hook runs
-                # for every adapted layer of a draft pass, so its few small ops add up on a CPU).
-                if a.dtype == output.dtype:
-                    output[0, start:].addmm_(x[0, start:] @ a, b, alpha=self.scale)
-                else:  # a bfloat16 model on a CPU keeps its adapter in float32, where these small products are fast
-                    output[0, start:] += ((x[0, start:].to(a.dtype) @ a) @ b * self.scale).to(output.dtype)
+                # Decoding: this hook runs for every adapted layer of a draft pass, so each op counts on a CPU:
+                # the SAT rows' input is cast once for the layers that share it (q/k/v, gate/up), the scale
+                # is folded into B, and the float32 update of a bfloat16 model is added without a cast.
+                low = self._sat_input(x, start, a.dtype) @ a
+                b = self._scaled(key, b)
+                if b.dtype == output.dtype:
+                    output[0, start:].addmm_(low, b)
+                else:
+                    output[0, start:] += low @ b
                 return output
             return _add_to_tail(output, start, ((x[:, start:].to(a.dtype) @ a) @ b * self.scale).to(output.dtype))
 
         return hook
+
+    def _sat_input(self, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
+        """The SAT rows of a layer input in the adapter's dtype, cast once per input tensor."""
+        last = self._last_input
+        if last is not None and last[0] is x and last[1] == start and last[2].dtype == dtype:
+            return last[2]
+        rows = x[0, start:].to(dtype)
+        self._last_input = (x, start, rows)  # one tuple: a thread decoding beside this one sees old or new, whole
+        return rows
+
+    def _scaled(self, key: str, b: torch.Tensor) -> torch.Tensor:
+        """B times the LoRA scale, kept until B changes (moved, converted or trained: new storage or version)."""
+        stamp = (b.data_ptr(), b._version, b.dtype)
+        kept = self._scaled_b.get(key)
+        if kept is None or kept[0] != stamp:
+            kept = self._scaled_b[key] = (stamp, b.detach() * self.scale)
+        return kept[1]
 
     def save(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
         """Weights as `dtype`: float32 loads back bit-exactly, float16 halves the file (the shipped adapter)."""
@@ -274,6 +300,14 @@ def _add_to_tail(x: torch.Tensor, start: int, delta: torch.Tensor, in_place: boo
     return x
 
 
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The keyword a model class takes its KV cache by: `cache` in recent transformers, `past_key_values` in
+    releases before the rename (which take `cache=` into **kwargs and silently decode without the cache)."""
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
+
+
 @contextlib.contextmanager
 def sat_rows(start: int, slots: torch.Tensor) -> Iterator[None]:
     """Mark rows start.. of every sequence in this block as SATs, with their (B, T - start) slots."""
@@ -347,7 +381,8 @@ class SatModel:
         return self.model.get_output_embeddings()(hidden)
 
     def _run(self, module: nn.Module, input_ids: torch.Tensor, sat_slots: torch.Tensor | None, cache, **kwargs):
-        kwargs = dict(kwargs, cache=cache, use_cache=cache is not None)
+        kwargs = dict(kwargs, use_cache=cache is not None)
+        kwargs[cache_keyword(type(module))] = cache
         if sat_slots is None or not bool((sat_slots >= 0).any()):
             return module(input_ids=input_ids, **kwargs)
         is_sat = sat_slots >= 0

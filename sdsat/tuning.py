@@ -2,11 +2,12 @@
 
 For each precision the machine offers (on a CPU: float32 and bfloat16; elsewhere the loaded one) it
 measures the pass-cost curve and checks whether a row of a block comes out as it does alone
-(costs.py). On a CPU each precision is tried in its row-invariant form first: products through
-oneDNN in chunks (cpu_kernels.invariant_plan) and attention one row at a time (attention.py). Where
-that form passes the row check, SDSAT decodes in it, and so does the vanilla decode it is compared
-with. The routed form (the fastest kernel per row count, cpu_kernels.tune) is timed too, for the
-fastest vanilla decoding. The planner (planner.py) then picks the precision and settings with the
+(costs.py). On a CPU each precision is tried in its row-invariant forms first: products through
+oneDNN in chunks (cpu_kernels.invariant_plan) and attention in fixed-shape tiles, else one row at a
+time (attention.py). Where such a form passes the row check, SDSAT decodes in it, and so does the
+vanilla decode it is compared with. The other forms' one-token passes (the routed form: the fastest
+kernel per row count, cpu_kernels.tune; the per-row attention, faster for one row) are timed too, for
+the fastest vanilla decoding. The planner (planner.py) then picks the precision and settings with the
 best predicted speed-up over the fastest vanilla decoding of any precision and form.
 
 Rule for forms whose rows are not bit-equal alone and batched: greedy SDSAT decodes in a bit-equal
@@ -40,8 +41,10 @@ from .planner import TRACE_FILE, Plan, Trace, choose
 log = logging.getLogger(__name__)
 
 CPU_PRECISIONS = ("float32", "bfloat16")
-INVARIANT, ROUTED = "row-invariant", "routed"  # the two forms of a precision on a CPU
-_FORMAT = 3
+# The forms of a precision on a CPU: row-invariant products with tiled or per-row attention, or routed.
+INVARIANT, PER_ROW, ROUTED = "row-invariant", "row-invariant per-row", "routed"
+EXACT_FORMS = (INVARIANT, PER_ROW)  # tried in this order; the first whose rows check bit-equal is SDSAT's
+_FORMAT = 4
 
 
 @dataclass
@@ -50,8 +53,8 @@ class Tuning:
 
     curves: dict[str, CostCurve] = field(default_factory=dict)  # by precision: the form SDSAT would decode in
     rows: dict[str, RowCheck] = field(default_factory=dict)
-    forms: dict[str, str] = field(default_factory=dict)  # by precision: INVARIANT or ROUTED
-    vanilla_s: dict[str, float] = field(default_factory=dict)  # "<precision> routed": its one-token pass
+    forms: dict[str, str] = field(default_factory=dict)  # by precision: one of EXACT_FORMS, or ROUTED
+    vanilla_s: dict[str, float] = field(default_factory=dict)  # "<precision> <form>": another form's one-token pass
     plan: Plan | None = None  # None: no acceptance trace for these SATs (then `note` says so)
     note: str = ""
     trace: Trace | None = field(default=None, repr=False)
@@ -102,7 +105,8 @@ def dtype_name(model: torch.nn.Module) -> str:
 def set_precision(sat_model, precision: str, kernels: bool = True, form: str = ROUTED) -> None:
     """Convert the model (and its SAT adapter) to `precision` in place, in `form`: on a CPU with kernels,
     ROUTED is the fastest kernel per row count and batched SDPA attention, INVARIANT the row-invariant
-    products and attention. Elsewhere the products are nn.Linear's and the attention SDPA."""
+    products and tiled attention, PER_ROW those products and per-row attention. Elsewhere the products
+    are nn.Linear's and the attention SDPA."""
     model = sat_model.model
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
@@ -112,8 +116,9 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
-    invariant = form == INVARIANT and on_cpu
-    model.set_attn_implementation(attention.register() if invariant else "sdpa")
+    invariant = form in EXACT_FORMS and on_cpu
+    tiled, per_row = attention.register()
+    model.set_attn_implementation((tiled if form == INVARIANT else per_row) if invariant else "sdpa")
     if invariant:
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
@@ -132,7 +137,9 @@ def _put_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> No
 
 def form_of(model: torch.nn.Module) -> str:
     plan = cpu_kernels.installed_plan(model)
-    return INVARIANT if plan is not None and plan.invariant else ROUTED
+    if plan is None or not plan.invariant:
+        return ROUTED
+    return PER_ROW if model.config._attn_implementation == attention.PER_ROW else INVARIANT
 
 
 @contextlib.contextmanager
@@ -187,18 +194,23 @@ def load_trace(sat_model) -> Trace | None:
         return None
 
 
-def _measure(sat_model, precision: str, kernels: bool) -> tuple[str, CostCurve, RowCheck, float | None]:
-    """(form, its curve, its row check, the routed form's one-token seconds when SDSAT's form is another)."""
+def _measure(sat_model, precision: str, kernels: bool) -> tuple[str, CostCurve, RowCheck, dict[str, float] | None]:
+    """(form, its curve, its row check, the other forms' one-token seconds by form when SDSAT's form is exact;
+    None when one of them was timed under load)."""
     model = sat_model.model
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     size = sum(p.numel() * p.element_size() for p in model.parameters())  # the form keeps a blocked copy
     if on_cpu and size <= cpu_kernels.COPY_LIMIT_BYTES and cpu_kernels.invariant_available(getattr(torch, precision)):
-        with trying(sat_model, precision, kernels, INVARIANT), torch.inference_mode():
-            curve, rows = measure_curve(sat_model), check_rows(sat_model)
-        if rows.invariant:
-            with trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
-                routed = measure_curve(sat_model, widths=(1,), drafts=0)
-            return INVARIANT, curve, rows, None if routed.noisy else routed.one_token_s
+        for form in EXACT_FORMS:
+            with trying(sat_model, precision, kernels, form), torch.inference_mode():
+                curve, rows = measure_curve(sat_model), check_rows(sat_model)
+            if rows.invariant:
+                others = {}
+                for other in [f for f in EXACT_FORMS if f != form] + [ROUTED]:
+                    with trying(sat_model, precision, kernels, other), torch.inference_mode():
+                        others[other] = measure_curve(sat_model, widths=(1,), drafts=0)
+                noisy = any(c.noisy for c in others.values())
+                return form, curve, rows, None if noisy else {f: c.one_token_s for f, c in others.items()}
     with trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
         return ROUTED, measure_curve(sat_model), check_rows(sat_model), None
 
@@ -216,19 +228,19 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
         try:
             entry = stored[key]
             form, curve, rows = entry["form"], CostCurve.from_dict(entry["curve"]), RowCheck(**entry["rows"])
-            routed = entry.get("routed_s")
+            others = entry.get("others_s")
         except (KeyError, TypeError, ValueError):
-            form, curve, rows, routed = _measure(sat_model, precision, kernels)
+            form, curve, rows, others = _measure(sat_model, precision, kernels)
             if curve.noisy:
                 log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
                             "%.1f-fold); they are used now and measured again at the next start", precision,
                             curve.spread)
-            elif form == ROUTED or routed is not None:  # a noisy routed timing is measured again next time
-                stored[key] = {"form": form, "curve": curve.to_dict(), "routed_s": routed,
+            elif form == ROUTED or others is not None:  # noisy timings of the other forms are measured again
+                stored[key] = {"form": form, "curve": curve.to_dict(), "others_s": others,
                                "rows": {k: v for k, v in rows.to_dict().items() if k not in ("invariant", "close")}}
         tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = form, curve, rows
-        if routed is not None:
-            tuning.vanilla_s[f"{precision} {ROUTED}"] = routed
+        for other, seconds in (others or {}).items():
+            tuning.vanilla_s[f"{precision} {other}"] = seconds
     if cache_file is not None:
         jsonfile.write_object(cache_file, stored)
     _plan(tuning, sat_model, kernels)
@@ -240,8 +252,8 @@ def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:
     trace = tuning.trace = load_trace(sat_model)
     tuning.max_k = sat_model.max_k
     loaded = dtype_name(sat_model.model)
-    if loaded in tuning.usable and tuning.forms.get(loaded) == INVARIANT:  # exact decoding even without a plan
-        set_precision(sat_model, loaded, kernels, INVARIANT)
+    if loaded in tuning.usable and tuning.forms.get(loaded) in EXACT_FORMS:  # exact decoding even without a plan
+        set_precision(sat_model, loaded, kernels, tuning.forms[loaded])
     if trace is None:
         tuning.note = "no acceptance trace ships with these SATs: auto uses the default settings"
     elif not tuning.usable:

@@ -501,7 +501,7 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
 
     from sdsat import cpu_kernels
     from sdsat.costs import CostCurve
-    from sdsat.tuning import INVARIANT, ROUTED
+    from sdsat.tuning import INVARIANT, PER_ROW, ROUTED
 
     engine = types.SimpleNamespace(model=tiny_llama, tuning=None)
 
@@ -519,9 +519,11 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
     assert chosen("auto") == {"bfloat16": INVARIANT}
     engine.tuning.vanilla_s["bfloat16 routed"] = 0.02
     assert chosen("auto") == {"bfloat16": ROUTED}
+    engine.tuning.vanilla_s["bfloat16 row-invariant per-row"] = 0.01  # the per-row attention's vanilla, faster
+    assert chosen("auto") == {"bfloat16": PER_ROW}
     if cpu_kernels.invariant_available():  # the main engine left in the row-invariant form: float32 routed runs too
         cpu_kernels.install(tiny_llama, cpu_kernels.invariant_plan(tiny_llama))
-        assert chosen("auto") == {"float32": ROUTED, "bfloat16": ROUTED}
+        assert chosen("auto") == {"float32": ROUTED, "bfloat16": PER_ROW}
     with pytest.raises(SystemExit):
         cli.parse_args(["--baseline-precisions", "auto", "bfloat16"])
 

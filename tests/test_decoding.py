@@ -508,3 +508,25 @@ def test_any_drafter_behind_the_interface_decodes_exactly_as_vanilla(sat_model: 
         result = collect(decode(sat_model, TOKENIZER, prompt, greedy("sdsat", 3, 20), eos_ids=[]))
         assert result.token_ids == reference.token_ids
         assert len(drafters[-1].observed) == len(result.steps) - 1  # told the outcome of every iteration but the last
+
+
+def test_the_cache_goes_by_the_keyword_the_models_transformers_release_takes():
+    """transformers renamed `past_key_values` to `cache`; a release before the rename takes `cache=` into
+    **kwargs and decodes without the cache, so SatModel passes the cache by the keyword the class names."""
+    from sdsat.sat import cache_keyword
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs):
+            return past_key_values
+
+    class After(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
+            return cache
+
+    assert cache_keyword(Before) == "past_key_values" and cache_keyword(After) == "cache"
+    assert cache_keyword(type(make_tiny_llama())) == "cache"  # the installed release
+    model = make_sat_model("vocab")
+    cache = DynamicCache()
+    for module in (Before(), After()):
+        model.model = module
+        assert model._run(module, torch.tensor([[1, 2]]), None, cache) is cache

@@ -26,15 +26,16 @@ INVARIANT_HERE = pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bf
 
 
 @INVARIANT_HERE
+@pytest.mark.parametrize("form", tuning.EXACT_FORMS)
 @pytest.mark.parametrize("precision", tuning.CPU_PRECISIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_row_invariant_form_is_bit_exact_here_and_sdsat_equals_vanilla_in_it(kind, precision):
-    """On this machine's kernels, the form SDSAT decodes in gives every row bit for bit as the token alone
+def test_the_row_invariant_forms_are_bit_exact_here_and_sdsat_equals_vanilla_in_them(kind, precision, form):
+    """On this machine's kernels, the forms SDSAT decodes in give every row bit for bit as the token alone
     (plain blocks, a draft tree, a draft pass's first row), so greedy SDSAT equals vanilla in that form
     whatever the near-ties: chains, trees, prompt lookup and fused, in float32 and bfloat16."""
     sat_model = make_sat_model(kind)
-    with tuning.trying(sat_model, precision, form=tuning.INVARIANT):
-        assert tuning.dtype_name(sat_model.model) == precision and tuning.form_of(sat_model.model) == tuning.INVARIANT
+    with tuning.trying(sat_model, precision, form=form):
+        assert tuning.dtype_name(sat_model.model) == precision and tuning.form_of(sat_model.model) == form
         check = check_rows(sat_model)
         assert check.rows > 60 and check.invariant and check.max_drift == 0, check
         for prompt in random_prompts(seed=7, count=6):
@@ -65,7 +66,7 @@ def test_trying_a_precision_restores_the_model_bit_for_bit():
     cpu_kernels.install(model, plan)
     before, attention = _state(sat_model), model.config._attn_implementation
     with tuning.trying(sat_model, "bfloat16", form=tuning.INVARIANT):
-        assert model.config._attn_implementation == sdsat_attention.NAME
+        assert model.config._attn_implementation == sdsat_attention.TILED
         assert cpu_kernels.installed_plan(model).invariant
         assert next(model.parameters()).dtype == torch.bfloat16
         assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())  # not rounded
@@ -125,3 +126,70 @@ def test_without_a_trace_auto_keeps_the_given_settings():
 
 def _fast_curve(sat_model, **kwargs):
     return measure_curve(sat_model, **(dict(widths=(1, 2, 4, 8, 16), context=32, repeats=1) | kwargs))
+
+
+def _attend(function, query, key, value, seen):
+    return function(None, query, key, value, None if seen is None else seen[None, None], 0.125)[0]
+
+
+@pytest.mark.parametrize("precision", tuning.CPU_PRECISIONS)
+def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tree_gaps(precision):
+    """What the tiled form rests on, on this machine's kernels: a block's row t equals the same token attending
+    alone over its keys, with blocks wider than a tile and key counts on both sides of a KEY_BLOCK boundary;
+    a tree node (keys with gaps) equals its keys gathered; and the result is attention (close to SDPA's)."""
+    torch.manual_seed(0)
+    dtype, heads, kv_heads, dim = getattr(torch, precision), 6, 2, 16
+    tile, block = sdsat_attention.TILE_ROWS, sdsat_attention.KEY_BLOCK
+    rows = tile + 3
+    for cached in (5, block - 4, 2 * block - 1, 2 * block):
+        keys = cached + rows
+        query = torch.randn(1, heads, rows, dim).to(dtype)
+        key, value = (torch.randn(1, kv_heads, keys, dim).to(dtype) for _ in range(2))
+        causal = torch.arange(keys)[None, :] <= cached + torch.arange(rows)[:, None]
+        for seen in (None, causal):
+            out = _attend(sdsat_attention.tiled_attention, query, key, value, seen)
+            for t in range(rows):
+                n = cached + t + 1
+                alone = _attend(sdsat_attention.tiled_attention, query[:, :, t:t + 1], key[:, :, :n],
+                                value[:, :, :n], None)
+                assert torch.equal(out[:, t], alone[:, 0]), (cached, t, seen is None)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query.float(), key.float(), value.float(), attn_mask=causal, scale=0.125, enable_gqa=True)
+        torch.testing.assert_close(out.float(), reference.transpose(1, 2), atol=2e-2 if dtype != torch.float32
+                                   else 1e-5, rtol=1e-2)
+    # A draft tree over 40 cached keys: node 4 is a runner-up child of node 1, node 5 of node 2.
+    parents, cached = [-1, 0, 1, 2, 1, 2], 40
+    seen = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
+    seen[:, :cached] = True
+    for node in range(len(parents)):
+        ancestor = node
+        while ancestor >= 0:
+            seen[node, cached + ancestor], ancestor = True, parents[ancestor]
+    query = torch.randn(1, heads, len(parents), dim).to(dtype)
+    key, value = (torch.randn(1, kv_heads, seen.shape[1], dim).to(dtype) for _ in range(2))
+    out = _attend(sdsat_attention.tiled_attention, query, key, value, seen)
+    for node in range(len(parents)):
+        index = seen[node].nonzero().squeeze(-1)
+        alone = _attend(sdsat_attention.tiled_attention, query[:, :, node:node + 1], key[:, :, index],
+                        value[:, :, index], None)
+        assert torch.equal(out[:, node], alone[:, 0]), node
+
+
+@INVARIANT_HERE
+def test_the_tuner_falls_back_to_per_row_attention_when_tiles_are_not_row_invariant(monkeypatch):
+    """The tiled form is off the kernels' guarantees: where its row check fails, SDSAT decodes with attention
+    one row at a time, and the tiled form's vanilla still counts among the baselines."""
+    sat_model = make_sat_model("adapter")
+    monkeypatch.setattr(tuning, "measure_curve", _fast_curve)
+    real_check = tuning.check_rows
+
+    def check(model, *args, **kwargs):
+        result = real_check(model, *args, **kwargs)
+        if tuning.form_of(model.model) == tuning.INVARIANT:
+            result.bit_equal = 0  # as if a kernel of this machine ordered a tile's sums by its shape
+        return result
+
+    monkeypatch.setattr(tuning, "check_rows", check)
+    form, curve, rows, others = tuning._measure(sat_model, "float32", kernels=True)
+    assert form == tuning.PER_ROW and rows.invariant
+    assert others is None or set(others) == {tuning.INVARIANT, tuning.ROUTED}

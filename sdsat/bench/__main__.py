@@ -242,14 +242,14 @@ def _prepare(args) -> _Bench:
 
 def baseline_precisions(args, engine) -> dict[str, str]:
     """The precisions vanilla also runs in, each on an engine of its own, and the kernel form it runs in there
-    (tuning.ROUTED or INVARIANT); none without vanilla.
+    (tuning.ROUTED or one of EXACT_FORMS); none without vanilla.
 
     Each precision runs in the form the tuning timed fastest for a one-token pass, or the routed form a plain
-    start loads when there is no tuning (no auto recipe) or it did not time both. The main engine's own
-    precision is among them only when that form is not the main engine's (tuning may have left it in the
-    row-invariant form, whose vanilla can be slower).
+    start loads when there is no tuning (no auto recipe) or it did not time the routed form. The main engine's
+    own precision is among them only when that form is not the main engine's (tuning may have left it in a
+    row-invariant form whose vanilla is slower than another form's).
     """
-    from ..tuning import INVARIANT, ROUTED, dtype_name, form_of, precisions_to_try
+    from ..tuning import EXACT_FORMS, ROUTED, dtype_name, form_of, precisions_to_try
 
     if "vanilla" not in args.methods or args.baseline_precisions == ["none"]:
         return {}
@@ -259,9 +259,11 @@ def baseline_precisions(args, engine) -> dict[str, str]:
     forms = {}
     for precision in dict.fromkeys(wanted):
         form = ROUTED
-        if tuning is not None and tuning.forms.get(precision) == INVARIANT:
-            routed_s = tuning.vanilla_s.get(f"{precision} {ROUTED}")
-            form = INVARIANT if routed_s is not None and tuning.curves[precision].one_token_s < routed_s else ROUTED
+        if (tuning is not None and tuning.forms.get(precision) in EXACT_FORMS
+                and f"{precision} {ROUTED}" in tuning.vanilla_s):
+            timed = {tuning.forms[precision]: tuning.curves[precision].one_token_s}
+            timed |= {f: s for f in (*EXACT_FORMS, ROUTED) if (s := tuning.vanilla_s.get(f"{precision} {f}"))}
+            form = min(timed, key=timed.__getitem__)
         if (precision, form) != (dtype_name(engine.model), form_of(engine.model)):
             forms[precision] = form
     return forms
@@ -269,10 +271,10 @@ def baseline_precisions(args, engine) -> dict[str, str]:
 
 def _load_baselines(args, forms: dict[str, str]) -> dict:
     """An engine per baseline precision, loaded as a plain start loads it (its own kernel plan for that
-    precision), then put in the row-invariant form where that is the faster one."""
+    precision), then put in a row-invariant form where that is the faster one."""
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
-    from ..tuning import INVARIANT, set_precision
+    from ..tuning import EXACT_FORMS, set_precision
 
     baselines = {}
     for precision, form in forms.items():
@@ -282,8 +284,8 @@ def _load_baselines(args, forms: dict[str, str]) -> dict:
                                                SatSource(adapter=args.adapter))
         except (ModelLoadError, ValueError) as err:
             raise _Refused(f"--baseline-precisions {precision}: {err}") from None
-        if form == INVARIANT:
-            set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, INVARIANT)
+        if form in EXACT_FORMS:
+            set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form)
     return baselines
 
 

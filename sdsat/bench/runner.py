@@ -161,7 +161,7 @@ def machine_info(engine: Engine) -> dict:
     plan = installed_plan(engine.model)
     return describe(engine.model) | {
         "cpu_kernels": plan.summary() if plan is not None else "nn.Linear (not routed)",
-        "form": form_of(engine.model),  # tuning.ROUTED or INVARIANT: the kernels every method but baselines ran
+        "form": form_of(engine.model),  # a tuning form: the kernels every method but baselines ran
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -25,11 +25,14 @@ from ..decoding import GenerationResult
 from ..engine import Engine
 from ..hardware import hardware_line
 from ..planner import Settings, predict
-from ..tuning import Tuning, dtype_name, form_of
+from ..tuning import INVARIANT, PER_ROW, ROUTED, Tuning, dtype_name, form_of
 from . import figures
 from .presets import auto_settings
 from .render import esc
 from .zerogpu import on_zero_gpu
+
+OTHER_FORMS = {ROUTED: "the fastest kernel per row count", PER_ROW: "attention one row at a time",
+               INVARIANT: "attention in fixed-shape tiles"}  # what a form timed for vanilla alone is
 
 NOT_MEASURED = "This machine's pass costs were not measured"
 ON_ZERO_GPU = ("on ZeroGPU, where a GPU is attached only during a request, so auto keeps its default settings "
@@ -99,10 +102,11 @@ def machine_view(engine: Engine) -> MachineView:
             line += " (the fastest vanilla here)"
         check = tuning.rows.get(precision)
         lines.append(line + (f" · {row_verdict(check, precision in tuning.usable)}" if check is not None else ""))
-    for name, seconds in tuning.vanilla_s.items():  # forms timed for vanilla alone (routed kernels)
+    for name, seconds in tuning.vanilla_s.items():  # forms timed for vanilla alone
         lines.append(f"{name}: {1e3 * seconds:.1f} ms per one-token pass"
                      + (" (the fastest vanilla here)" if name == fastest else "")
-                     + " · vanilla only (the fastest kernel per row count; SDSAT decodes in the row-invariant form)")
+                     + f" · vanilla only ({OTHER_FORMS.get(name.partition(' ')[2], 'another form')}; SDSAT decodes "
+                       "in its precision's row-invariant form)")
     lines.append(auto_line(tuning, chosen))
     figure = figures.cost_figure(tuning.curves, names, tuning.usable, dtype_name(engine.model), chosen)
     return MachineView(_lines_html(lines), figure)
