@@ -65,8 +65,7 @@ def _vanilla(sat_model, model, prompt_ids, config, stop: StopChecker, should_sto
     with torch.inference_mode():
         while True:
             kv_before, t0 = cache.get_seq_length(), clock.now()
-            logits = model(input_ids=torch.tensor([pending], device=device), cache=cache, use_cache=True,
-                           logits_to_keep=1).logits
+            logits = sat_model.forward(torch.tensor([pending], device=device), cache=cache, logits_to_keep=1)
             tokens, probs = chooser.choose(logits[0, -1:])
             t1 = clock.now()
             token = int(tokens[0])
