@@ -42,6 +42,7 @@ ROUTED_DTYPES = (torch.float32, torch.bfloat16)
 # and in blocks of 2..32 rows on the CPUs measured; longer ones did not (the kernel splits them by row count).
 INVARIANT_CHUNK = 768
 INVARIANT_ROWS = 32  # the plan's length; the invariant form serves every row count (a prompt's prefill too)
+PLAN_FILE = "cpu_kernels.json"  # the tuned plans, in the engine's cache folder (default_model.cache_dir)
 _PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
 
 log = logging.getLogger(__name__)

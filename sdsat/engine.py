@@ -19,7 +19,7 @@ from .default_model import cache_dir
 from .models import DEFAULT_MODEL, LoadConfig, load_model
 from .prompts import encode_prompt, eos_ids_of
 from .sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
-from .tuning import Tuning, tune
+from .tuning import TUNING_FILE, Tuning, tune
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Engine:
         model to the precision it chose. Measured once per engine (and cached on disk per machine)."""
         if self.tuning is None:
             self.tuning = tune(self.sat_model, self.name, fixed_dtype=self.load_config.dtype != "auto",
-                               kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / "tuning.json")
+                               kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / TUNING_FILE)
         return self.tuning
 
     def auto_config(self, config: DecodeConfig, explicit: set[str] = frozenset()) -> DecodeConfig:

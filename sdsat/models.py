@@ -88,7 +88,7 @@ def load_model(config: LoadConfig | None = None):
     if config.cpu_kernels and device.type == "cpu":
         from . import cpu_kernels
 
-        plan = cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json")
+        plan = cpu_kernels.tune(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE)
         log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan),
                  plan.seconds)
     return model, tokenizer

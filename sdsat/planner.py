@@ -113,14 +113,13 @@ class Plan:
 
 def _accepted(tree: DraftTree, ranks: list[int]) -> int:
     """Drafts a greedy verify pass over `tree` accepts when the true tokens have these ranks by depth."""
-    children, node, accepted = tree.children, -1, 0
-    while True:
-        depth = accepted
-        nxt = next((c for c in children.get(node, []) if depth < len(ranks) and tree.paths[c][-1] == ranks[depth]
-                    and len(tree.paths[c]) == depth + 1), None)
-        if nxt is None:
-            return accepted
-        node, accepted = nxt, accepted + 1
+    node, accepted = -1, 0
+    while accepted < len(ranks):  # a child of a node `accepted` deep is one deeper: its path's last rank decides
+        node = next((c for c in tree.children.get(node, []) if tree.paths[c][-1] == ranks[accepted]), None)
+        if node is None:
+            break
+        accepted += 1
+    return accepted
 
 
 def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[int, int, float]:

@@ -45,6 +45,7 @@ CPU_PRECISIONS = ("float32", "bfloat16")
 INVARIANT, PER_ROW, ROUTED = "row-invariant", "row-invariant per-row", "routed"
 EXACT_FORMS = (INVARIANT, PER_ROW)  # tried in this order; the first whose rows check bit-equal is SDSAT's
 _FORMAT = 4
+TUNING_FILE = "tuning.json"  # the measurements, in the engine's cache folder (default_model.cache_dir)
 
 
 @dataclass
@@ -122,7 +123,7 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     if invariant:
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
-        cpu_kernels.install(model, cpu_kernels.tune(model, cache_file=cache_dir() / "cpu_kernels.json"))
+        cpu_kernels.install(model, cpu_kernels.tune(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE))
 
 
 def _float_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -622,6 +622,25 @@ def test_benchmark_tab_charts_every_suite_with_its_machine(tmp_path):
     assert bars[benchmark.CHART_METHODS["prompt_lookup k=10"]][1] == [1.1]
 
 
+def test_benchmark_chart_takes_the_fastest_vanilla_and_auto_rows_where_a_suite_has_them(tmp_path):
+    """A suite that timed vanilla in several forms charts its speed-ups against the fastest one, and its
+    auto row (named after the settings auto chose) under the auto bar; a GPU suite names its device."""
+    folder = tmp_path / "gpu-h200-float32"
+    folder.mkdir()
+    rows = [{"method": "sdsat_greedy k=3 +lookup+tree", "speed-up vs vanilla (median)": 2.0,
+             "speed-up vs fastest vanilla (median)": 1.6},
+            {"method": "sdsat_greedy auto (k=2 +lookup+tree7)", "speed-up vs vanilla (median)": 2.5}]
+    (folder / "summary.json").write_text(json.dumps(
+        {"machine": "Intel(R) Xeon(R) Processor (flags: avx2, amx_tile), 16 cores, 16 torch threads, "
+                    "cuda:0 float32, torch 2.11.0", "rows": rows}))
+    view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
+    bars = {trace.name: list(trace.x) for trace in view.figure.data}
+    assert bars[benchmark.CHART_METHODS["sdsat_greedy k=3 +lookup+tree"]] == [1.6]
+    assert bars[benchmark.CHART_METHODS["sdsat_greedy auto"]] == [2.5]
+    assert view.suites[0].title.startswith("HumanEval 0–7 on an NVIDIA H200")
+    assert benchmark.short_machine(view.suites[0].machine) == "Intel(R) Xeon(R) Processor, 16 cores, cuda:0 float32"
+
+
 # -- chat -------------------------------------------------------------------------------------------------
 def test_encode_chat_is_the_template_and_keeps_typed_special_text_as_text(real_tokenizer):
     from sdsat.prompts import encode_chat
