@@ -1,6 +1,7 @@
 """Load-time tuning: the precision, kernels and SDSAT settings this machine runs fastest, measured on the model.
 
-For each precision the machine offers (on a CPU: float32 and bfloat16; elsewhere the loaded one) it
+For each precision the machine offers (on a CPU: float32 and bfloat16; elsewhere the loaded one, and
+float32 for a small model loaded in half precision) it
 measures the pass-cost curve and checks whether a row of a block comes out as it does alone
 (costs.py). On a CPU each precision is tried in its row-invariant forms first: products through
 oneDNN in chunks (cpu_kernels.invariant_plan) and attention in fixed-shape tiles, else one row at a
@@ -172,14 +173,19 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
 
 
 def precisions_to_try(model: torch.nn.Module, fixed: bool) -> list[str]:
-    """The loaded precision, and on a CPU (unless the caller fixed the dtype) the others of CPU_PRECISIONS
-    for models small enough to hold a second copy of their weights while measuring."""
+    """The loaded precision and, unless the caller fixed the dtype, for models small enough to hold a second
+    copy of their weights while measuring: on a CPU the others of CPU_PRECISIONS; elsewhere (a GPU) float32
+    when the loaded one is half precision. A GPU's batched half-precision rows move by tenths of a logit,
+    so SDSAT may not decode in them, while its float32 rows differ by rounding alone (close)."""
     loaded = dtype_name(model)
     param = next(model.parameters())
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    if fixed or param.device.type != "cpu" or size > cpu_kernels.COPY_LIMIT_BYTES:
+    if fixed or size > cpu_kernels.COPY_LIMIT_BYTES:
         return [loaded]
-    return [loaded] + [p for p in CPU_PRECISIONS if p != loaded]
+    if param.device.type == "cpu":
+        return [loaded] + [p for p in CPU_PRECISIONS if p != loaded]
+    half = loaded in ("float16", "bfloat16") and 2 * size <= cpu_kernels.COPY_LIMIT_BYTES  # float32's copy: twice
+    return [loaded, "float32"] if half else [loaded]
 
 
 def load_trace(sat_model) -> Trace | None:

@@ -193,3 +193,18 @@ def test_the_tuner_falls_back_to_per_row_attention_when_tiles_are_not_row_invari
     form, curve, rows, others = tuning._measure(sat_model, "float32", kernels=True)
     assert form == tuning.PER_ROW and rows.invariant
     assert others is None or set(others) == {tuning.INVARIANT, tuning.ROUTED}
+
+
+def test_precisions_tried_on_a_cpu_and_elsewhere():
+    """On a CPU every CPU precision; elsewhere (a GPU, here the meta device) float32 beside a half-precision
+    load, whose batched rows are not close enough for SDSAT there; none beside a fixed dtype."""
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    assert tuning.precisions_to_try(model, fixed=False) == ["float32", "bfloat16"]
+    assert tuning.precisions_to_try(model, fixed=True) == ["float32"]
+    for dtype, tried in (("bfloat16", ["bfloat16", "float32"]), ("float16", ["float16", "float32"]),
+                         ("float32", ["float32"])):
+        elsewhere = model.to(device="meta", dtype=getattr(torch, dtype))
+        assert tuning.precisions_to_try(elsewhere, fixed=False) == tried
+        assert tuning.precisions_to_try(elsewhere, fixed=True) == [dtype]
