@@ -7,11 +7,12 @@ over a longer axis than the same row alone, and the kernels pick their order of 
 shapes (how many rows, how many keys, how the threads split them). Two ways around it:
 
 * Tiled (`TILED`): every attention call has the same shape, whatever the block. Rows go in tiles of
-  `TILE_ROWS` (the last one padded with zero queries); a row's keys are padded, masked, to the next
+  `TILE_ROWS` (a short tile padded with zero queries); a row's keys are padded, masked, to the next
   multiple of `KEY_BLOCK` of the keys it sees, and rows whose counts round to another multiple go in
   another call. A row of a block and the same token alone then run one kernel on one shape, and the
   keys masked for it add exact zeros. Off the kernels' guarantees, so the tuner checks it on each
-  machine (costs.check_rows) before using it. A few calls per layer, however many rows.
+  machine (costs.check_rows) before using it. A few calls per layer, however many rows (a draft tree's
+  node off the chain takes one of its own).
 * Per row (`PER_ROW`): each row attends over exactly the keys it sees, alone. Invariant wherever one
   kernel call is deterministic, but one call per row and layer: the fallback.
 
@@ -76,12 +77,17 @@ def _padded(n: int) -> int:
     return -(-n // KEY_BLOCK) * KEY_BLOCK
 
 
+KEEP_MASKS = 8  # a layout of at most this many tiles (a decode pass) keeps its masks for every layer
+
+
 @dataclass
 class _Tile:
     first: int  # rows first..last-1 of the block (or one gathered row)
     last: int
-    mask: torch.Tensor  # (Hkv, group * TILE_ROWS, keys) additive, keys a multiple of KEY_BLOCK
+    counts: list[int]  # keys each row sees; the tile's padding rows see one
+    keys: int  # the padded key count: a multiple of KEY_BLOCK
     index: torch.Tensor | None = None  # a gathered row's keys (a tree node: the cache, then its ancestors)
+    mask: torch.Tensor | None = None  # kept from `_tile_mask` in small layouts, else made at each call
 
 
 @dataclass
@@ -92,15 +98,21 @@ class _Layout:
     keys: int  # the widest padded key count
 
 
-def _tile_mask(lengths: list[int], keys: int, kv_heads: int, group: int, device) -> torch.Tensor:
-    """Additive mask of a tile whose rows see the first `lengths` keys; its padding rows see one key."""
-    counts = torch.tensor(lengths + [1] * (TILE_ROWS - len(lengths)), device=device)
-    mask = torch.zeros(TILE_ROWS, keys, device=device).masked_fill_(
-        torch.arange(keys, device=device) >= counts[:, None], float("-inf"))
-    return mask.expand(kv_heads, group, TILE_ROWS, keys).reshape(kv_heads, group * TILE_ROWS, keys)
+def _tile_mask(tile: _Tile, group: int, device) -> torch.Tensor:
+    """(1, group * TILE_ROWS, keys) additive mask, the same for every key head: row r sees counts[r] keys."""
+    if tile.mask is not None:
+        return tile.mask
+    counts = torch.tensor(tile.counts, device=device)
+    mask = torch.zeros(TILE_ROWS, tile.keys, device=device).masked_fill_(
+        torch.arange(tile.keys, device=device) >= counts[:, None], float("-inf"))
+    return mask.repeat(group, 1)[None]
 
 
-def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, kv_heads: int, group: int, device) -> _Layout:
+def _tile(first: int, lengths: list[int], keys: int, index: torch.Tensor | None = None) -> _Tile:
+    return _Tile(first, first + len(lengths), lengths + [1] * (TILE_ROWS - len(lengths)), keys, index)
+
+
+def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, device) -> _Layout:
     if attention_mask is None:  # causal
         lengths, prefix = [keys - rows + t + 1 for t in range(rows)], [True] * rows
     else:
@@ -111,31 +123,32 @@ def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, kv_heads:
         prefix = (seen == (torch.arange(keys, device=device) < counts[:, None])).all(-1).tolist()
     tiles, t = [], 0
     while t < rows:
-        if not prefix[t]:
+        if not prefix[t]:  # one call of its own, its keys gathered
             index = _seen(attention_mask, t)
-            n = index.numel()
-            tiles.append(_Tile(t, t + 1, _tile_mask([n], _padded(n), kv_heads, group, device), index))
+            tiles.append(_tile(t, [index.numel()], _padded(index.numel()), index))
             t += 1
             continue
         end, padded = t + 1, _padded(lengths[t])
         while end < rows and end - t < TILE_ROWS and prefix[end] and _padded(lengths[end]) == padded:
             end += 1
-        tiles.append(_Tile(t, end, _tile_mask(lengths[t:end], padded, kv_heads, group, device)))
+        tiles.append(_tile(t, lengths[t:end], padded))
         t = end
-    return _Layout(tiles, max(tile.mask.shape[-1] for tile in tiles))
+    if len(tiles) <= KEEP_MASKS:  # a prompt's prefill makes its masks at each call instead of holding them all
+        for tile in tiles:
+            tile.mask = _tile_mask(tile, group, device)
+    return _Layout(tiles, max(tile.keys for tile in tiles))
 
 
 _LAST: tuple | None = None  # (mask, shape, layout) of the latest pass: every layer of a pass shares it
 
 
-def _layout_of(attention_mask: torch.Tensor | None, rows: int, keys: int, kv_heads: int, group: int,
-               device) -> _Layout:
+def _layout_of(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, device) -> _Layout:
     global _LAST
-    shape = (rows, keys, kv_heads, group, TILE_ROWS, KEY_BLOCK)
+    shape = (rows, keys, group, str(device), TILE_ROWS, KEY_BLOCK)
     last = _LAST
     if last is not None and last[0] is attention_mask and last[1] == shape:
         return last[2]
-    layout = _layout(attention_mask, rows, keys, kv_heads, group, device)
+    layout = _layout(attention_mask, rows, keys, group, device)
     _LAST = (attention_mask, shape, layout)  # keeps the mask alive, so `is` cannot match a new one
     return layout
 
@@ -163,18 +176,19 @@ def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     _, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
-    layout = _layout_of(attention_mask, rows, keys, kv_heads, group, query.device)
+    layout = _layout_of(attention_mask, rows, keys, group, query.device)
     width = max(layout.keys, keys)
     key, value = _padded_float(key, width), _padded_float(value, width)
     out = query.new_empty((1, rows, heads, dim))
     for tile in layout.tiles:
-        n, padded = tile.last - tile.first, tile.mask.shape[-1]
+        n, padded = tile.last - tile.first, tile.keys
         q = query.new_zeros((kv_heads, group, TILE_ROWS, dim), dtype=torch.float32)
         q[:, :, :n] = query[0, :, tile.first:tile.last].view(kv_heads, group, n, dim)
         k, v = key[:, :padded], value[:, :padded]
         if tile.index is not None:  # a tree node's keys, gathered into a prefix
             k, v = _gathered(key, tile.index, padded), _gathered(value, tile.index, padded)
-        scores = torch.baddbmm(tile.mask, q.view(kv_heads, group * TILE_ROWS, dim), k.transpose(1, 2), alpha=scaling)
+        scores = torch.baddbmm(_tile_mask(tile, group, query.device), q.view(kv_heads, group * TILE_ROWS, dim),
+                               k.transpose(1, 2), alpha=scaling)
         o = torch.bmm(torch.softmax(scores, -1), v).view(kv_heads, group, TILE_ROWS, dim)
         out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(o[:, :, :n].permute(2, 0, 1, 3))
     return out, None

@@ -150,11 +150,12 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
                      draft={s: t for (kind, s), t in median.items() if kind == "draft"}, spread=max(one) / min(one))
 
 
-def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 64, seed: int = 1) -> RowCheck:
+def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 60, seed: int = 1) -> RowCheck:
     """Compare, row by row, the logits of blocks as every decoder feeds them with those of the same
     tokens fed one at a time (what vanilla computes): plain causal blocks of each width, a draft-tree
     block under its 4-D mask, and a draft block [t, SAT×k] (whose first row is the token SDSAT keeps
-    for sure)."""
+    for sure). With 60 tokens cached, the blocks' rows see counts of keys on both sides of 64, where the
+    tiled attention (attention.py) cuts a block into calls of different key widths."""
     gen = torch.Generator().manual_seed(seed)
     cache, vocab = _prefill(sat_model, context, gen)
     device = sat_model.device

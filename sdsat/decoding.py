@@ -26,7 +26,7 @@ from .drafters import DraftContext, Proposal, drafter_for
 from .prompts import StopChecker
 from .records import Event, GenerationResult, StepRecord, collect
 from .sampling import TokenChooser
-from .sat import SatModel
+from .sat import SatModel, call_with_cache
 from .timing import Clock
 from .tree import MAX_EXTRA as MAX_TREE_CANDIDATES
 from .verify import Verdict, verify_chain, verify_tree
@@ -65,7 +65,8 @@ def _vanilla(sat_model, model, prompt_ids, config, stop: StopChecker, should_sto
     with torch.inference_mode():
         while True:
             kv_before, t0 = cache.get_seq_length(), clock.now()
-            logits = sat_model.forward(torch.tensor([pending], device=device), cache=cache, logits_to_keep=1)
+            logits = call_with_cache(model, cache, input_ids=torch.tensor([pending], device=device),
+                                     logits_to_keep=1).logits
             tokens, probs = chooser.choose(logits[0, -1:])
             t1 = clock.now()
             token = int(tokens[0])

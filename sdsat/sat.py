@@ -114,7 +114,7 @@ class SatAdapter(nn.Module):
         self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # see _sat_input
-        self._scaled_b: dict[str, tuple[tuple, torch.Tensor]] = {}  # see _scaled
+        self._scaled_b: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}  # see _scaled
 
     @property
     def scale(self) -> float:
@@ -214,12 +214,13 @@ class SatAdapter(nn.Module):
         return rows
 
     def _scaled(self, key: str, b: torch.Tensor) -> torch.Tensor:
-        """B times the LoRA scale, kept until B changes (moved, converted or trained: new storage or version)."""
-        stamp = (b.data_ptr(), b._version, b.dtype)
+        """B times the LoRA scale, kept until B changes: another parameter, moved or converted (new storage),
+        trained or loaded in place (a new version)."""
+        stamp = (b.data_ptr(), b._version, b.dtype, self.scale)
         kept = self._scaled_b.get(key)
-        if kept is None or kept[0] != stamp:
-            kept = self._scaled_b[key] = (stamp, b.detach() * self.scale)
-        return kept[1]
+        if kept is None or kept[0] is not b or kept[1] != stamp:
+            kept = self._scaled_b[key] = (b, stamp, b.detach() * self.scale)
+        return kept[2]
 
     def save(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
         """Weights as `dtype`: float32 loads back bit-exactly, float16 halves the file (the shipped adapter)."""
@@ -300,12 +301,23 @@ def _add_to_tail(x: torch.Tensor, start: int, delta: torch.Tensor, in_place: boo
     return x
 
 
+def cache_keyword(module: nn.Module) -> str:
+    """The keyword a model takes its KV cache by: `cache` in recent transformers, `past_key_values` in
+    releases before the rename (which take `cache=` into **kwargs and silently decode without the cache).
+    Read off the model class, under a wrapper such as peft's, whose forward takes **kwargs only."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return _cache_keyword(type(base))
+
+
 @functools.cache
-def cache_keyword(model_class: type) -> str:
-    """The keyword a model class takes its KV cache by: `cache` in recent transformers, `past_key_values` in
-    releases before the rename (which take `cache=` into **kwargs and silently decode without the cache)."""
+def _cache_keyword(model_class: type) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters or "past_key_values" not in parameters else "past_key_values"
+
+
+def call_with_cache(module: nn.Module, cache, **kwargs):
+    """`module(**kwargs)` with `cache` (or None) passed by the keyword the model takes."""
+    return module(**kwargs, use_cache=cache is not None, **{cache_keyword(module): cache})
 
 
 @contextlib.contextmanager
@@ -381,15 +393,13 @@ class SatModel:
         return self.model.get_output_embeddings()(hidden)
 
     def _run(self, module: nn.Module, input_ids: torch.Tensor, sat_slots: torch.Tensor | None, cache, **kwargs):
-        kwargs = dict(kwargs, use_cache=cache is not None)
-        kwargs[cache_keyword(type(module))] = cache
         if sat_slots is None or not bool((sat_slots >= 0).any()):
-            return module(input_ids=input_ids, **kwargs)
+            return call_with_cache(module, cache, input_ids=input_ids, **kwargs)
         is_sat = sat_slots >= 0
         if self.spec.kind == "vocab":
             ids = torch.as_tensor(self.spec.sat_ids, device=input_ids.device)
             input_ids = torch.where(is_sat, ids[sat_slots.clamp(min=0)], input_ids)
-            return module(input_ids=input_ids, **kwargs)
+            return call_with_cache(module, cache, input_ids=input_ids, **kwargs)
         start = int((~is_sat[0]).sum())
         if bool(is_sat[:, :start].any()) or not bool(is_sat[:, start:].all()):
             raise ValueError("SAT rows must come after the standard tokens of a block (see SatLayout)")
@@ -397,4 +407,4 @@ class SatModel:
         embed = self.model.get_input_embeddings()(input_ids[:, :start])  # (B, n, H)
         sat_embed = self.adapter.input_embeddings(slots).to(embed.dtype)  # (B, T - n, H)
         with sat_rows(start, slots):
-            return module(inputs_embeds=torch.cat([embed, sat_embed], dim=1), **kwargs)
+            return call_with_cache(module, cache, inputs_embeds=torch.cat([embed, sat_embed], dim=1), **kwargs)

@@ -45,7 +45,7 @@ CPU_PRECISIONS = ("float32", "bfloat16")
 # The forms of a precision on a CPU: row-invariant products with tiled or per-row attention, or routed.
 INVARIANT, PER_ROW, ROUTED = "row-invariant", "row-invariant per-row", "routed"
 EXACT_FORMS = (INVARIANT, PER_ROW)  # tried in this order; the first whose rows check bit-equal is SDSAT's
-_FORMAT = 4
+_FORMAT = 5
 TUNING_FILE = "tuning.json"  # the measurements, in the engine's cache folder (default_model.cache_dir)
 
 
@@ -139,9 +139,10 @@ def _put_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> No
 
 def form_of(model: torch.nn.Module) -> str:
     plan = cpu_kernels.installed_plan(model)
-    if plan is None or not plan.invariant:
+    attn = model.config._attn_implementation
+    if plan is None or not plan.invariant or attn not in (attention.TILED, attention.PER_ROW):
         return ROUTED
-    return PER_ROW if model.config._attn_implementation == attention.PER_ROW else INVARIANT
+    return INVARIANT if attn == attention.TILED else PER_ROW
 
 
 @contextlib.contextmanager

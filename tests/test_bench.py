@@ -308,13 +308,13 @@ def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypat
     sat_model = SatModel(tiny_llama, SatSpec(kind="adapter", max_k=3), SatAdapter.for_model(tiny_llama, config))
     lengths = []
     forward = sat_model.forward
-    monkeypatch.setattr(sat_model, "forward", lambda ids, slots, cache, **kw: (lengths.append(cache.get_seq_length()),
-                                                                            forward(ids, slots, cache=cache, **kw))[1])
+    monkeypatch.setattr(sat_model, "forward", lambda ids, slots=None, cache=None, **kw: (
+        lengths.append(cache.get_seq_length()), forward(ids, slots, cache=cache, **kw))[1])
     costs = pass_cost.measure(types.SimpleNamespace(model=tiny_llama, sat_model=sat_model), [1, 2, 4, 8], context=10,
                               repeats=2)
     assert set(costs["plain"]) == {1, 2, 4, 8} and set(costs["draft"]) == {1, 3}  # k <= max_k only
     assert all(s > 0 for table in costs.values() for s in table.values())
-    assert set(lengths) == {10}  # every pass starts from the same context
+    assert lengths[0] == 0 and set(lengths[1:]) == {10}  # the prefill, then every pass from the same context
     assert "| plain causal | 8 |" in pass_cost.report(costs, 10) and "draft [t, SAT×3]" in pass_cost.report(costs, 10)
     # Two settings, interleaved: each gets its own table of sizes, and each was applied before its passes.
     applied = []
@@ -499,7 +499,7 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
     import argparse
     import types
 
-    from sdsat import cpu_kernels
+    from sdsat import attention, cpu_kernels
     from sdsat.costs import CostCurve
     from sdsat.tuning import INVARIANT, PER_ROW, ROUTED
 
@@ -523,6 +523,7 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
     assert chosen("auto") == {"bfloat16": PER_ROW}
     if cpu_kernels.invariant_available():  # the main engine left in the row-invariant form: float32 routed runs too
         cpu_kernels.install(tiny_llama, cpu_kernels.invariant_plan(tiny_llama))
+        tiny_llama.set_attn_implementation(attention.register()[0])
         assert chosen("auto") == {"float32": ROUTED, "bfloat16": PER_ROW}
     with pytest.raises(SystemExit):
         cli.parse_args(["--baseline-precisions", "auto", "bfloat16"])

@@ -523,9 +523,62 @@ def test_the_cache_goes_by_the_keyword_the_models_transformers_release_takes():
         def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs):
             return cache
 
-    assert cache_keyword(Before) == "past_key_values" and cache_keyword(After) == "cache"
+    class Wrapper(torch.nn.Module):  # as peft's model: forward(**kwargs), the model under get_base_model()
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self):
+            return self.inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    assert cache_keyword(Before()) == "past_key_values" and cache_keyword(After()) == "cache"
+    assert cache_keyword(Wrapper(Before())) == "past_key_values"
     model = make_sat_model("vocab")
     cache = DynamicCache()
-    for module in (Before(), After()):
+    for module in (Before(), After(), Wrapper(Before())):
         model.model = module
         assert model._run(module, torch.tensor([[1, 2]]), None, cache) is cache
+
+
+def test_vanilla_decodes_a_plain_causal_lm_as_generate_does():
+    """decode() takes a plain transformers model for vanilla decoding (no SATs): greedy, as model.generate."""
+    model = make_tiny_llama()
+    prompt = [5, 17, 3, 59, 42]
+    result = collect(decode(model, TOKENIZER, prompt, DecodeConfig(method="vanilla", max_new_tokens=12), []))
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+    assert result.token_ids == expected
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_decoding_path_of_the_sat_hooks_computes_the_training_paths_update(precision):
+    """Decoding adds the SAT rows' low-rank update in place, its input cast once per shared layer input and
+    the scale folded into B (kept until B changes); training adds it out of place. Same SAT logits, also
+    after B is trained in place, and with a float32 adapter on a bfloat16 model (as on a CPU)."""
+    sat_model = make_sat_model("adapter")
+    sat_model.model.to(getattr(torch, precision))
+    sat_model.adapter.to(torch.float32)
+    ids, slots = torch.tensor([[5, 7, 9, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1]])
+
+    def logits(grad: bool):
+        with torch.set_grad_enabled(grad):
+            return sat_model.forward(ids, slots).detach().float()
+
+    for _ in range(2):
+        decoding, training = logits(False), logits(True)
+        tolerance = dict(atol=1e-5, rtol=1e-5) if precision == "float32" else dict(atol=0.1, rtol=0.02)
+        torch.testing.assert_close(decoding, training, **tolerance)
+        assert not torch.equal(decoding[0, 3:], logits(False)[0, 3:] * 0)  # SAT rows are there, not zeros
+        with torch.no_grad():  # train B in place: the folded copy must follow
+            for b in sat_model.adapter.lora_b.values():
+                b.mul_(3.0)
+    before = logits(False)
+    sat_model.adapter.detach()  # drops the kept copies; attach (to the model's dtype) starts afresh
+    assert sat_model.adapter._last_input is None and not sat_model.adapter._scaled_b
+    sat_model.adapter.attach(sat_model.model)
+    if precision == "float32":
+        torch.testing.assert_close(logits(False), before)

@@ -37,6 +37,9 @@ def test_the_row_invariant_forms_are_bit_exact_here_and_sdsat_equals_vanilla_in_
     with tuning.trying(sat_model, precision, form=form):
         assert tuning.dtype_name(sat_model.model) == precision and tuning.form_of(sat_model.model) == form
         check = check_rows(sat_model)
+        if form == tuning.INVARIANT and not check.invariant:  # the tuner then decodes with per-row attention
+            pytest.skip(f"tiled attention is not row-invariant on this CPU's kernels ({check.bit_equal} of "
+                        f"{check.rows} rows bit-equal): SDSAT decodes in the per-row form here")
         assert check.rows > 60 and check.invariant and check.max_drift == 0, check
         for prompt in random_prompts(seed=7, count=6):
             plain = DecodeConfig(method="vanilla", max_new_tokens=24)
@@ -136,11 +139,13 @@ def _attend(function, query, key, value, seen):
 def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tree_gaps(precision):
     """What the tiled form rests on, on this machine's kernels: a block's row t equals the same token attending
     alone over its keys, with blocks wider than a tile and key counts on both sides of a KEY_BLOCK boundary;
-    a tree node (keys with gaps) equals its keys gathered; and the result is attention (close to SDPA's)."""
+    a tree node (keys with gaps) equals its keys gathered; and the result is attention (close to SDPA's).
+    No kernel promises the bit-equality: where a CPU breaks it, the tuner's row check must say so (then
+    SDSAT decodes with per-row attention, and this test is skipped)."""
     torch.manual_seed(0)
     dtype, heads, kv_heads, dim = getattr(torch, precision), 6, 2, 16
     tile, block = sdsat_attention.TILE_ROWS, sdsat_attention.KEY_BLOCK
-    rows = tile + 3
+    rows, differ = tile + 3, 0
     for cached in (5, block - 4, 2 * block - 1, 2 * block):
         keys = cached + rows
         query = torch.randn(1, heads, rows, dim).to(dtype)
@@ -152,7 +157,7 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
                 n = cached + t + 1
                 alone = _attend(sdsat_attention.tiled_attention, query[:, :, t:t + 1], key[:, :, :n],
                                 value[:, :, :n], None)
-                assert torch.equal(out[:, t], alone[:, 0]), (cached, t, seen is None)
+                differ += not torch.equal(out[:, t], alone[:, 0])
         reference = torch.nn.functional.scaled_dot_product_attention(
             query.float(), key.float(), value.float(), attn_mask=causal, scale=0.125, enable_gqa=True)
         torch.testing.assert_close(out.float(), reference.transpose(1, 2), atol=2e-2 if dtype != torch.float32
@@ -172,7 +177,12 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
         index = seen[node].nonzero().squeeze(-1)
         alone = _attend(sdsat_attention.tiled_attention, query[:, :, node:node + 1], key[:, :, index],
                         value[:, :, index], None)
-        assert torch.equal(out[:, node], alone[:, 0]), node
+        differ += not torch.equal(out[:, node], alone[:, 0])
+    if differ:
+        sat_model = make_sat_model("adapter")
+        with tuning.trying(sat_model, precision, form=tuning.INVARIANT):
+            assert not check_rows(sat_model).invariant, f"{differ} tiled rows differ here, but the row check passed"
+        pytest.skip(f"tiled attention is not row-invariant on this CPU's kernels ({differ} rows differ)")
 
 
 @INVARIANT_HERE
@@ -208,3 +218,19 @@ def test_precisions_tried_on_a_cpu_and_elsewhere():
         elsewhere = model.to(device="meta", dtype=getattr(torch, dtype))
         assert tuning.precisions_to_try(elsewhere, fixed=False) == tried
         assert tuning.precisions_to_try(elsewhere, fixed=True) == [dtype]
+
+
+def test_tiled_attention_cuts_each_pass_anew_for_a_new_mask_of_the_same_shape():
+    """Every layer of a pass shares one mask object, so the cut into tiles is kept per mask object: a second
+    pass with another mask of the same shape (another tree) must not reuse the first one's cut."""
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    first = torch.ones(3, 10, dtype=torch.bool).tril(7)[None, None]  # causal behind 7 cached keys
+    second = first.clone()
+    second[0, 0, 2, 8] = False  # row 2 is a runner-up: it does not see row 1
+    attend = sdsat_attention.tiled_attention
+    assert torch.equal(attend(None, query, key, value, first, 0.5)[0], attend(None, query, key, value, first, 0.5)[0])
+    reused = attend(None, query, key, value, second, 0.5)[0]
+    sdsat_attention._LAST = None
+    assert torch.equal(reused, attend(None, query, key, value, second, 0.5)[0])
+    assert not torch.equal(reused[:, 2], attend(None, query, key, value, first, 0.5)[0][:, 2])

@@ -38,8 +38,8 @@ def measure_settings(engine, sizes: list[int], context: int, repeats: int, setti
     device = sat_model.device
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache, use_cache=True,
-              logits_to_keep=1)
+        sat_model.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache,
+                          logits_to_keep=1)
     times = {name: {"plain": {t: [] for t in sizes},
                     "draft": {t - 1: [] for t in sizes if 1 <= t - 1 <= sat_model.max_k}} for name in settings}
     for _ in range(repeats + 1):  # the first round warms up and is dropped

@@ -140,9 +140,9 @@ def _baseline_notes(payload: dict) -> list[str]:
                 "the fastest vanilla equal those vs vanilla."]
     counts = "; ".join(f"{names[r['label']]} on {fastest['counts'].get(r['label'], 0)} of {prompts} prompts"
                        for r in sorted(vanillas, key=lambda r: -fastest["counts"].get(r["label"], 0)))
-    return [f"- Fastest vanilla: {counts}. Vanilla in other precisions ran on engines of their own, interleaved "
-            f"with the other methods; \"identical to vanilla\" compares with vanilla in {main}, the numerics "
-            "every other method decoded in."]
+    return [f"- Fastest vanilla: {counts}. Vanilla in other precisions or kernel forms ran on engines of their "
+            f"own, interleaved with the other methods; \"identical to vanilla\" compares with vanilla in {main}, "
+            "the numerics every other method decoded in."]
 
 
 def _auto_notes(payload: dict) -> list[str]:

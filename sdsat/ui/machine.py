@@ -7,8 +7,9 @@ vanilla in the race's own precision and kernel form (the race's vanilla runs in 
   (`planner.predict`), what these settings should give on this machine over typical code prompts;
 - implied: this race's own tokens ÷ what its forward passes cost at the curve's prices
   (`costs.priced_seconds`), what this prompt's acceptance should give here without timing noise.
-Where another vanilla decoding is faster (another precision, or the routed kernels, whose rows are not
-bit-equal alone and batched), the speed-up against that fastest vanilla is shown as well, estimated from
+Where another vanilla decoding is faster (another precision, or another kernel form of this one: the routed
+kernels, whose rows are not bit-equal alone and batched, or attention one row at a time, faster for one row),
+the speed-up against that fastest vanilla is shown as well, estimated from
 the load-time measurement: achieved × its seconds per token ÷ the race's. No speed-up comes from a slow baseline.
 """
 
@@ -106,7 +107,7 @@ def machine_view(engine: Engine) -> MachineView:
         lines.append(f"{name}: {1e3 * seconds:.1f} ms per one-token pass"
                      + (" (the fastest vanilla here)" if name == fastest else "")
                      + f" · vanilla only ({OTHER_FORMS.get(name.partition(' ')[2], 'another form')}; SDSAT decodes "
-                       "in its precision's row-invariant form)")
+                       f"in {names.get(name.partition(' ')[0], 'another form')})")
     lines.append(auto_line(tuning, chosen))
     figure = figures.cost_figure(tuning.curves, names, tuning.usable, dtype_name(engine.model), chosen)
     return MachineView(_lines_html(lines), figure)
