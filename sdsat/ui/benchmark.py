@@ -157,12 +157,13 @@ def load_suite(folder: Path, key: str, title: str, download_dir: Path | None = N
 
 
 def short_machine(machine: str) -> str:
-    """"AMD EPYC (flags: …), 2 cores, 2 torch threads, cpu float32, …" -> "AMD EPYC, 2 cores", and the device
-    where it is a GPU ("…, cuda:0 float32")."""
+    """"AMD EPYC (flags: …), 2 cores, 2 torch threads, cpu float32, …" -> "AMD EPYC, 2 cores"; a GPU run's
+    "…, cuda:0 float32, …" -> "GPU (cuda:0 float32)" (its host CPU is not what was measured)."""
     if not machine:
         return "machine not recorded"
     parts = re.sub(r" \(flags:[^)]*\)", "", machine).split(", ")
-    return ", ".join(parts[:2] + [p for p in parts[2:] if p.startswith("cuda")])
+    gpu = [p for p in parts if p.startswith("cuda")]
+    return f"GPU ({gpu[0]})" if gpu else ", ".join(parts[:2])
 
 
 def _chart_row(rows: list[dict], method: str) -> dict | None:
@@ -201,10 +202,10 @@ def speedup_figure(suites: list[Suite]):
     top = max([v for trace in figure.data for v in trace.x] + [1.0])
     figure.add_vline(x=1.0, line_dash="dash", line_color="#475569")
     figure.update_layout(
-        title=dict(text="Speed-up against vanilla (the fastest vanilla where a suite timed several)", x=0.01,
-                   font=dict(size=15)),
+        title=dict(text="Speed-up against vanilla", x=0.01, font=dict(size=15)),
         barmode="group", bargap=0.25, height=560, template="plotly_white",
-        xaxis=dict(title="× vanilla tokens/s (median over prompts)", range=[0, 1.15 * top]),
+        xaxis=dict(title="× vanilla tokens/s (median over prompts; the fastest vanilla where several ran)",
+                   range=[0, 1.15 * top]),
         yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels),
         margin=dict(l=10, r=10, t=40, b=10),
         legend=dict(orientation="h", yanchor="top", y=-0.12, x=0, traceorder="normal"))
