@@ -3,6 +3,8 @@ greedy identity, and the engine's `auto` settings (planner.py has the synthetic-
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -234,3 +236,36 @@ def test_tiled_attention_cuts_each_pass_anew_for_a_new_mask_of_the_same_shape():
     sdsat_attention._LAST = None
     assert torch.equal(reused, attend(None, query, key, value, second, 0.5)[0])
     assert not torch.equal(reused[:, 2], attend(None, query, key, value, first, 0.5)[0][:, 2])
+
+
+def test_a_noisy_measurement_is_measured_again_and_the_faster_one_kept(monkeypatch, tmp_path):
+    """Precisions are measured one after the other: a spell of load slowing one of them must not decide the
+    choice. A noisy curve makes every precision measured now go again, in reverse order; each keeps its faster
+    run; a clean first round is not repeated; noisy curves are not written to the cache."""
+    from sdsat.costs import CostCurve, RowCheck
+
+    def curve(precision, seconds, spread=1.0):
+        return CostCurve(precision, {1: seconds, 2: seconds}, {1: seconds}, spread=spread)
+
+    rows = RowCheck(rows=4, bit_equal=4, argmax_equal=4, max_drift=0.0)
+    sat_model = make_sat_model("vocab")
+    for script, kept, cached in (
+            ({"float32": [0.010, 0.012], "bfloat16": [(0.050, 2.0), 0.008]}, {"float32": 0.010, "bfloat16": 0.008}, 2),
+            ({"float32": [0.010], "bfloat16": [0.009]}, {"float32": 0.010, "bfloat16": 0.009}, 2),
+            ({"float32": [0.010, 0.011], "bfloat16": [(0.05, 2.0), (0.04, 2.0)]}, {"float32": 0.010, "bfloat16": 0.04},
+             1)):
+        calls = []
+
+        def measure(model, precision, kernels, script=script, calls=calls):
+            seconds, spread = (lambda v: v if isinstance(v, tuple) else (v, 1.0))(script[precision][
+                sum(c == precision for c in calls)])
+            calls.append(precision)
+            return tuning.ROUTED, curve(precision, seconds, spread), rows, None
+
+        monkeypatch.setattr(tuning, "_measure", measure)
+        cache = tmp_path / f"tuning-{id(script)}.json"
+        measured = tuning.tune(sat_model, "tiny", cache_file=cache)
+        assert {p: c.one_token_s for p, c in measured.curves.items()} == kept
+        rounds = len(script["float32"])
+        assert calls == (["float32", "bfloat16", "bfloat16", "float32"] if rounds == 2 else ["float32", "bfloat16"])
+        assert len(json.loads(cache.read_text())) == cached  # a curve still noisy is measured again next start
