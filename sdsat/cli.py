@@ -16,7 +16,10 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import types
 from dataclasses import asdict, replace
 from typing import Callable, TextIO
 
@@ -127,24 +130,52 @@ def guarded(entry: Callable[[list[str] | None], int], argv: list[str] | None = N
     message; any other error is its type and message (with SDSAT_TRACEBACK=1 the traceback too), both
     exit status 2; Ctrl-C at any moment, start-up included, prints "interrupted" and exits 130.
     """
-    try:
-        return entry(argv)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except ValueError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        return EXIT_BAD_SETTINGS
-    except Exception as err:  # the boundary with the user: a traceback is not an answer they can act on
-        if _interrupted(err):  # transformers' lazy imports turn a Ctrl-C into a ModuleNotFoundError
+    with _noting_ctrl_c() as ctrl_c:
+        try:
+            return entry(argv)
+        except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
-        if os.environ.get("SDSAT_TRACEBACK"):
-            import traceback
+        except Exception as err:  # the boundary with the user: a traceback is not an answer they can act on
+            # transformers' lazy imports can turn a Ctrl-C into a ModuleNotFoundError, with or without the
+            # KeyboardInterrupt among its causes (an import it broke fails again later)
+            if ctrl_c.seen or _interrupted(err):
+                print("\ninterrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            return _report(err)
 
-            traceback.print_exc()
-        print(f"error: {type(err).__name__}: {one_line(err)}", file=sys.stderr)
+
+def _report(err: Exception) -> int:
+    if isinstance(err, ValueError):
+        print(f"error: {one_line(err)}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
+    if os.environ.get("SDSAT_TRACEBACK"):
+        import traceback
+
+        traceback.print_exc()
+    print(f"error: {type(err).__name__}: {one_line(err)}", file=sys.stderr)
+    return EXIT_BAD_SETTINGS
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c():
+    """Note a Ctrl-C (then interrupt as Python does), so that an error it caused still reads as "interrupted".
+    Leaves alone a SIGINT that is ignored, or handled by someone else, or a thread that is not the main one."""
+    ctrl_c = types.SimpleNamespace(seen=False)
+
+    def note(signum, frame):
+        ctrl_c.seen = True
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, note)
+    try:
+        yield ctrl_c
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _interrupted(err: BaseException) -> bool:
