@@ -49,11 +49,25 @@ def _seen(attention_mask: torch.Tensor, t: int) -> torch.Tensor:
     return (row if row.dtype == torch.bool else row == 0).nonzero().squeeze(-1)
 
 
+def _soft_capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, in place: scores = softcap * tanh(scores / softcap)."""
+    return scores.div_(softcap).tanh_().mul_(softcap)
+
+
+def _capped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float):
+    """One row's attention with soft-capped scores (SDPA has no soft-capping): (1, H, 1, D) over (1, Hkv, S, D)."""
+    kv_heads, group = key.shape[1], query.shape[1] // key.shape[1]
+    q = query[0].reshape(kv_heads, group, query.shape[-1])
+    scores = _soft_capped(torch.bmm(q, key[0].transpose(1, 2)).mul_(scaling), softcap)
+    return torch.bmm(torch.softmax(scores, -1), value[0]).reshape(1, -1, 1, query.shape[-1])
+
+
 def per_row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """transformers' attention signature: query (B, H, T, D), key/value (B, Hkv, S, D), a boolean (True: seen) or
     additive mask (B, 1, T, S) or None (causal); returns (B, T, H, D) and no weights. One sequence per batch."""
     _check(query)
+    softcap = kwargs.get("softcap")
     dtype = query.dtype
     rows, keys = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
@@ -68,7 +82,9 @@ def per_row_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
                 k, v = key[:, :, :seen.numel()], value[:, :, :seen.numel()]
             else:  # a draft tree's node: the cache, then its ancestors
                 k, v = key.index_select(2, seen), value.index_select(2, seen)
-        outs.append(F.scaled_dot_product_attention(query[:, :, t:t + 1], k, v, scale=scaling, enable_gqa=gqa))
+        q = query[:, :, t:t + 1]
+        outs.append(_capped(q, k, v, scaling, softcap) if softcap else
+                    F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=gqa))
     out = outs[0] if rows == 1 else torch.cat(outs, dim=2)
     return out.to(dtype).transpose(1, 2).contiguous(), None
 
@@ -173,6 +189,7 @@ def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """The signature of `per_row_attention`. Every product has TILE_ROWS rows per query head and a multiple of
     KEY_BLOCK keys, in float32: scores, softmax and the weighted values as three batched calls per tile."""
     _check(query)
+    softcap = kwargs.get("softcap")
     _, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -187,8 +204,11 @@ def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         k, v = key[:, :padded], value[:, :padded]
         if tile.index is not None:  # a tree node's keys, gathered into a prefix
             k, v = _gathered(key, tile.index, padded), _gathered(value, tile.index, padded)
-        scores = torch.baddbmm(_tile_mask(tile, group, query.device), q.view(kv_heads, group * TILE_ROWS, dim),
-                               k.transpose(1, 2), alpha=scaling)
+        mask, q = _tile_mask(tile, group, query.device), q.view(kv_heads, group * TILE_ROWS, dim)
+        if softcap:  # capped before the mask is added, as transformers' eager attention does
+            scores = _soft_capped(torch.bmm(q, k.transpose(1, 2)).mul_(scaling), softcap).add_(mask)
+        else:
+            scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scaling)
         o = torch.bmm(torch.softmax(scores, -1), v).view(kv_heads, group, TILE_ROWS, dim)
         out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(o[:, :, :n].permute(2, 0, 1, 3))
     return out, None
