@@ -187,6 +187,34 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
         pytest.skip(f"tiled attention is not row-invariant on this CPU's kernels ({differ} rows differ)")
 
 
+def test_both_forms_soft_cap_scores_as_gemma2_does_and_a_capped_row_is_the_same_alone():
+    """Gemma 2 caps attention scores (softcap * tanh(scores / softcap)) before the mask: both forms must too,
+    or such a model decodes wrongly; a tiled row stays bit-equal to the same token alone."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    torch.manual_seed(0)
+    heads, kv_heads, rows, cached, dim, softcap = 4, 2, 5, 70, 8, 2.0
+    query = torch.randn(1, heads, rows, dim) * 3  # scores well past the cap
+    key, value = torch.randn(1, kv_heads, cached + rows, dim) * 3, torch.randn(1, kv_heads, cached + rows, dim)
+    seen = torch.arange(cached + rows)[None, :] <= cached + torch.arange(rows)[:, None]
+    additive = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
+    reference = eager_attention_forward(module, query, key, value, additive, scaling=0.5, softcap=softcap)[0]
+    uncapped = eager_attention_forward(module, query, key, value, additive, scaling=0.5)[0]
+    assert not torch.allclose(reference, uncapped, atol=1e-3)
+    for attend in (sdsat_attention.tiled_attention, sdsat_attention.per_row_attention):
+        out = attend(None, query, key, value, seen[None, None], 0.5, softcap=softcap)[0]
+        torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    out = sdsat_attention.tiled_attention(None, query, key, value, seen[None, None], 0.5, softcap=softcap)[0]
+    for t in range(rows):
+        n = cached + t + 1
+        alone = sdsat_attention.tiled_attention(None, query[:, :, t:t + 1], key[:, :, :n], value[:, :, :n], None,
+                                                0.5, softcap=softcap)[0]
+        assert torch.equal(out[:, t], alone[:, 0])
+
+
 @INVARIANT_HERE
 def test_the_tuner_falls_back_to_per_row_attention_when_tiles_are_not_row_invariant(monkeypatch):
     """The tiled form is off the kernels' guarantees: where its row check fails, SDSAT decodes with attention
