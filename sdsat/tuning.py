@@ -77,6 +77,12 @@ class Tuning:
         """Each precision as results name it: "float32 row-invariant", "bfloat16 routed"."""
         return {p: f"{p} {self.forms[p]}" if p in self.forms else p for p in self.curves}
 
+    def forms_timed(self, precision: str) -> dict[str, float]:
+        """Each form of `precision` whose one-token pass was timed at load: its seconds."""
+        timed = {self.forms.get(precision, ""): self.curves[precision].one_token_s} if precision in self.curves else {}
+        prefix = f"{precision} "
+        return timed | {name.removeprefix(prefix): s for name, s in self.vanilla_s.items() if name.startswith(prefix)}
+
     @property
     def baseline(self) -> tuple[str, float]:
         """The fastest vanilla decoding measured, in any precision and form: (name, seconds per token)."""

@@ -501,7 +501,7 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
 
     from sdsat import attention, cpu_kernels
     from sdsat.costs import CostCurve
-    from sdsat.tuning import INVARIANT, PER_ROW, ROUTED
+    from sdsat.tuning import INVARIANT, PER_ROW, ROUTED, Tuning
 
     engine = types.SimpleNamespace(model=tiny_llama, tuning=None)
 
@@ -514,8 +514,8 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
     assert chosen("none") == {} and chosen("auto", methods=("sdsat_greedy",)) == {}
     assert chosen("float16", "float32", "float16") == {"float16": ROUTED}
     # A tuning that timed bfloat16's row-invariant one-token pass faster than its routed one.
-    engine.tuning = types.SimpleNamespace(forms={"bfloat16": INVARIANT}, vanilla_s={"bfloat16 routed": 0.04},
-                                          curves={"bfloat16": CostCurve("bfloat16", {1: 0.03})})
+    engine.tuning = Tuning(forms={"bfloat16": INVARIANT}, vanilla_s={"bfloat16 routed": 0.04},
+                           curves={"bfloat16": CostCurve("bfloat16", {1: 0.03})})
     assert chosen("auto") == {"bfloat16": INVARIANT}
     engine.tuning.vanilla_s["bfloat16 routed"] = 0.02
     assert chosen("auto") == {"bfloat16": ROUTED}

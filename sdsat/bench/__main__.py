@@ -259,12 +259,10 @@ def baseline_precisions(args, engine) -> dict[str, str]:
     forms = {}
     for precision in dict.fromkeys(wanted):
         form = ROUTED
-        if (tuning is not None and tuning.forms.get(precision) in EXACT_FORMS
-                and f"{precision} {ROUTED}" in tuning.vanilla_s):
-            timed = {tuning.forms[precision]: tuning.curves[precision].one_token_s}
-            timed |= {f: tuning.vanilla_s[f"{precision} {f}"] for f in (*EXACT_FORMS, ROUTED)
-                      if f"{precision} {f}" in tuning.vanilla_s}
-            form = min(timed, key=timed.__getitem__)
+        if tuning is not None and tuning.forms.get(precision) in EXACT_FORMS:
+            timed = tuning.forms_timed(precision)
+            if ROUTED in timed:
+                form = min(timed, key=timed.__getitem__)
         if (precision, form) != (dtype_name(engine.model), form_of(engine.model)):
             forms[precision] = form
     return forms
