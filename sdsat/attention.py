@@ -10,9 +10,10 @@ shapes (how many rows, how many keys, how the threads split them). Two ways arou
   `TILE_ROWS` (a short tile padded with zero queries); a row's keys are padded, masked, to the next
   multiple of `KEY_BLOCK` of the keys it sees, and rows whose counts round to another multiple go in
   another call. A row of a block and the same token alone then run one kernel on one shape, and the
-  keys masked for it add exact zeros. Off the kernels' guarantees, so the tuner checks it on each
-  machine (costs.check_rows) before using it. A few calls per layer, however many rows (a draft tree's
-  node off the chain takes one of its own).
+  keys masked for it add exact zeros. A draft tree's nodes off the chain see keys with gaps: each gets
+  a tile of its own whose keys are its own gathered into a prefix, and those tiles go in one batched
+  call (the same products, more of them). Off the kernels' guarantees, so the tuner checks it on each
+  machine (costs.check_rows) before using it. A few calls per layer, however many rows.
 * Per row (`PER_ROW`): each row attends over exactly the keys it sees, alone. Invariant wherever one
   kernel call is deterministic, but one call per row and layer: the fallback.
 
@@ -98,12 +99,22 @@ KEEP_MASKS = 8  # a layout of at most this many tiles (a decode pass) keeps its 
 
 @dataclass
 class _Tile:
-    first: int  # rows first..last-1 of the block (or one gathered row)
+    first: int  # rows first..last-1 of the block
     last: int
     counts: list[int]  # keys each row sees; the tile's padding rows see one
     keys: int  # the padded key count: a multiple of KEY_BLOCK
-    index: torch.Tensor | None = None  # a gathered row's keys (a tree node: the cache, then its ancestors)
     mask: torch.Tensor | None = None  # kept from `_tile_mask` in small layouts, else made at each call
+
+
+@dataclass
+class _Gathered:
+    """Rows whose keys have gaps (a draft tree's nodes off the chain), one tile each, in one batched call."""
+
+    rows: torch.Tensor  # (m,) their rows in the block
+    index: torch.Tensor  # (m * keys,) each row's keys (the cache, its ancestors, itself), then a zero key
+    tiles: list[_Tile]  # one per row, as the same token alone would have: row 0 real, padded to `keys`
+    keys: int  # the padded key count shared by these rows
+    mask: torch.Tensor | None = None  # (kv_heads * m, group * TILE_ROWS, keys), kept in small layouts
 
 
 @dataclass
@@ -111,6 +122,7 @@ class _Layout:
     """How one pass's rows are cut into calls: the same for every layer of the pass, so made once."""
 
     tiles: list[_Tile]
+    gathered: list[_Gathered]
     keys: int  # the widest padded key count
 
 
@@ -124,11 +136,29 @@ def _tile_mask(tile: _Tile, group: int, device) -> torch.Tensor:
     return mask.repeat(group, 1)[None]
 
 
-def _tile(first: int, lengths: list[int], keys: int, index: torch.Tensor | None = None) -> _Tile:
-    return _Tile(first, first + len(lengths), lengths + [1] * (TILE_ROWS - len(lengths)), keys, index)
+def _tile(first: int, lengths: list[int], keys: int) -> _Tile:
+    return _Tile(first, first + len(lengths), lengths + [1] * (TILE_ROWS - len(lengths)), keys)
 
 
-def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, device) -> _Layout:
+def _gathered_mask(gathered: _Gathered, group: int, kv_heads: int, device) -> torch.Tensor:
+    """Each row's tile mask, repeated for every key head (batch index: key head, then row)."""
+    if gathered.mask is not None:
+        return gathered.mask
+    masks = torch.cat([_tile_mask(tile, group, device) for tile in gathered.tiles])  # (m, group * TILE_ROWS, keys)
+    return masks.expand(kv_heads, *masks.shape).reshape(-1, *masks.shape[1:])
+
+
+def _gather(attention_mask: torch.Tensor, rows: list[int], padded: int, zero: int) -> _Gathered:
+    indices = [_seen(attention_mask, t) for t in rows]
+    index = torch.full((len(rows), padded), zero, dtype=torch.long, device=attention_mask.device)
+    for i, seen in enumerate(indices):
+        index[i, :seen.numel()] = seen
+    return _Gathered(torch.tensor(rows, device=attention_mask.device), index.view(-1),
+                     [_tile(0, [seen.numel()], padded) for seen in indices], padded)
+
+
+def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, kv_heads: int,
+            device) -> _Layout:
     if attention_mask is None:  # causal
         lengths, prefix = [keys - rows + t + 1 for t in range(rows)], [True] * rows
     else:
@@ -137,11 +167,10 @@ def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: in
         counts = seen.sum(-1)
         lengths = counts.tolist()
         prefix = (seen == (torch.arange(keys, device=device) < counts[:, None])).all(-1).tolist()
-    tiles, t = [], 0
+    tiles, by_keys, t = [], {}, 0
     while t < rows:
-        if not prefix[t]:  # one call of its own, its keys gathered
-            index = _seen(attention_mask, t)
-            tiles.append(_tile(t, [index.numel()], _padded(index.numel()), index))
+        if not prefix[t]:  # a tile of its own, its keys gathered, batched with the others of its key count
+            by_keys.setdefault(_padded(lengths[t]), []).append(t)
             t += 1
             continue
         end, padded = t + 1, _padded(lengths[t])
@@ -149,22 +178,27 @@ def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: in
             end += 1
         tiles.append(_tile(t, lengths[t:end], padded))
         t = end
-    if len(tiles) <= KEEP_MASKS:  # a prompt's prefill makes its masks at each call instead of holding them all
-        for tile in tiles:
+    gathered = [_gather(attention_mask, nodes, padded, keys) for padded, nodes in by_keys.items()]
+    if len(tiles) + sum(len(g.tiles) for g in gathered) <= KEEP_MASKS:  # a prompt's prefill makes its masks
+        for tile in tiles:  # at each call instead of holding them all
             tile.mask = _tile_mask(tile, group, device)
-    return _Layout(tiles, max(tile.keys for tile in tiles))
+        for nodes in gathered:
+            nodes.mask = _gathered_mask(nodes, group, kv_heads, device)
+    widest = [tile.keys for tile in tiles] + [nodes.keys for nodes in gathered]
+    return _Layout(tiles, gathered, max(widest))
 
 
 _LAST: tuple | None = None  # (mask, shape, layout) of the latest pass: every layer of a pass shares it
 
 
-def _layout_of(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, device) -> _Layout:
+def _layout_of(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, kv_heads: int,
+               device) -> _Layout:
     global _LAST
-    shape = (rows, keys, group, str(device), TILE_ROWS, KEY_BLOCK)
+    shape = (rows, keys, group, kv_heads, str(device), TILE_ROWS, KEY_BLOCK)
     last = _LAST
     if last is not None and last[0] is attention_mask and last[1] == shape:
         return last[2]
-    layout = _layout(attention_mask, rows, keys, group, device)
+    layout = _layout(attention_mask, rows, keys, group, kv_heads, device)
     _LAST = (attention_mask, shape, layout)  # keeps the mask alive, so `is` cannot match a new one
     return layout
 
@@ -177,13 +211,6 @@ def _padded_float(x: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
-def _gathered(x: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
-    """(Hkv, width, D): x's rows at `index` first, then zeros."""
-    out = x.new_zeros((x.shape[0], width, x.shape[2]))
-    out[:, :index.numel()] = x.index_select(1, index)
-    return out
-
-
 def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """The signature of `per_row_attention`. Every product has TILE_ROWS rows per query head and a multiple of
@@ -193,25 +220,38 @@ def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     _, heads, rows, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
-    layout = _layout_of(attention_mask, rows, keys, group, query.device)
-    width = max(layout.keys, keys)
+    layout = _layout_of(attention_mask, rows, keys, group, kv_heads, query.device)
+    # At least one zero key past the real ones: the gathered rows' padding points there.
+    width = max(layout.keys, keys + 1 if layout.gathered else keys)
     key, value = _padded_float(key, width), _padded_float(value, width)
     out = query.new_empty((1, rows, heads, dim))
     for tile in layout.tiles:
         n, padded = tile.last - tile.first, tile.keys
         q = query.new_zeros((kv_heads, group, TILE_ROWS, dim), dtype=torch.float32)
         q[:, :, :n] = query[0, :, tile.first:tile.last].view(kv_heads, group, n, dim)
-        k, v = key[:, :padded], value[:, :padded]
-        if tile.index is not None:  # a tree node's keys, gathered into a prefix
-            k, v = _gathered(key, tile.index, padded), _gathered(value, tile.index, padded)
-        mask, q = _tile_mask(tile, group, query.device), q.view(kv_heads, group * TILE_ROWS, dim)
-        if softcap:  # capped before the mask is added, as transformers' eager attention does
-            scores = _soft_capped(torch.bmm(q, k.transpose(1, 2)).mul_(scaling), softcap).add_(mask)
-        else:
-            scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scaling)
-        o = torch.bmm(torch.softmax(scores, -1), v).view(kv_heads, group, TILE_ROWS, dim)
+        o = _attend(q.view(kv_heads, group * TILE_ROWS, dim), key[:, :padded], value[:, :padded],
+                    _tile_mask(tile, group, query.device), scaling, softcap).view(kv_heads, group, TILE_ROWS, dim)
         out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(o[:, :, :n].permute(2, 0, 1, 3))
+    for nodes in layout.gathered:  # batch index: key head, then row, as _gathered_mask has it
+        m, padded = nodes.rows.numel(), nodes.keys
+        q = query.new_zeros((kv_heads, m, group, TILE_ROWS, dim), dtype=torch.float32)
+        q[:, :, :, 0] = query[0].index_select(1, nodes.rows).view(kv_heads, group, m, dim).transpose(1, 2)
+        k, v = (x.index_select(1, nodes.index).view(kv_heads * m, padded, dim) for x in (key, value))
+        o = _attend(q.view(kv_heads * m, group * TILE_ROWS, dim), k, v,
+                    _gathered_mask(nodes, group, kv_heads, query.device), scaling, softcap)
+        o = o.view(kv_heads, m, group, TILE_ROWS, dim)[:, :, :, 0]
+        out[0].index_copy_(0, nodes.rows, o.permute(1, 0, 2, 3).reshape(m, heads, dim).to(out.dtype))
     return out, None
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+            softcap: float | None) -> torch.Tensor:
+    """Batched (B, M, D) queries over (B, S, D) keys and values under an additive mask broadcast to (B, M, S)."""
+    if softcap:  # capped before the mask is added, as transformers' eager attention does
+        scores = _soft_capped(torch.bmm(q, k.transpose(1, 2)).mul_(scaling), softcap).add_(mask)
+    else:
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scaling)
+    return torch.bmm(torch.softmax(scores, -1), v)
 
 
 def register() -> tuple[str, str]:
