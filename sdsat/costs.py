@@ -3,9 +3,10 @@
 Speculative decoding pays when its tokens per pass exceed what its wider passes cost against a
 one-token pass, and that cost curve depends on the processor, the precision and the kernels
 (docs/architecture.md, "Why the CPU matters"). `measure_curve` times the real passes on the loaded
-model: plain causal blocks of 1..32 tokens (vanilla, prompt lookup, verify passes) and SDSAT draft
-blocks [t, SAT×k]. `check_rows` compares each row of a block with the same token computed alone,
-which is what greedy identity rests on.
+model: plain causal blocks of 1..32 tokens (vanilla, prompt lookup, verify passes), SDSAT draft
+blocks [t, SAT×k] and verify passes over draft trees, whose nodes off the chain can cost more than
+causal rows (row-invariant attention gives them calls of their own). `check_rows` compares each row
+of a block with the same token computed alone, which is what greedy identity rests on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from . import timing
 from .kvcache import behind_cache, rollback
 from .records import StepRecord
 from .sat import SatModel
-from .tree import DraftTree
+from .tree import MAX_EXTRA, DraftTree
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)  # plain block sizes timed; others take the next timed one
 CONTEXT = 256  # tokens in the KV cache while timing: a prompt and some output, as when decoding
@@ -38,6 +39,8 @@ class CostCurve:
     dtype: str
     plain: dict[int, float] = field(default_factory=dict)  # block width -> seconds
     draft: dict[int, float] = field(default_factory=dict)  # k -> seconds of [t, SAT×k] (k + 1 tokens)
+    tree: dict[int, float] = field(default_factory=dict)  # runner-ups -> seconds of a tree pass at depth tree_k
+    tree_k: int = 0
     # The one-token pass's slowest round over its fastest: far above 1, something else was using the cores
     # while measuring (the curve is then used but not kept).
     spread: float = 1.0
@@ -61,6 +64,21 @@ class CostCurve:
     def draft_s(self, k: int) -> float:
         return self.draft[k] if k in self.draft else self.pass_s(k + 1)
 
+    def tree_s(self, k: int, extra: int) -> float:
+        """Seconds of a verify pass over DraftTree.for_k(k, extra): a plain block as wide, plus what the timed
+        trees cost beyond their plain blocks for as many runner-ups (interpolated; extrapolated past the last)."""
+        width = 1 + len(DraftTree.for_k(k, extra).paths)
+        if not extra or not self.tree:
+            return self.pass_s(width)
+        points = [(0, 0.0)] + [(e, s - self.pass_s(1 + len(DraftTree.for_k(self.tree_k, e).paths)))
+                               for e, s in sorted(self.tree.items())]
+        below = max((p for p in points if p[0] <= extra), key=lambda p: p[0])
+        above = min((p for p in points if p[0] > extra), key=lambda p: p[0], default=None)
+        if above is None:  # past the widest timed tree: its cost per runner-up, on from there
+            above, below = below, points[-2]
+        slope = (above[1] - below[1]) / (above[0] - below[0])
+        return self.pass_s(width) + max(0.0, below[1] + slope * (extra - below[0]))
+
     def relative(self) -> dict[int, float]:
         """Plain pass cost by width, relative to a one-token pass."""
         return {w: s / self.one_token_s for w, s in sorted(self.plain.items())}
@@ -71,7 +89,9 @@ class CostCurve:
     @classmethod
     def from_dict(cls, data: dict) -> "CostCurve":
         return cls(dtype=str(data["dtype"]), plain={int(w): float(s) for w, s in data["plain"].items()},
-                   draft={int(k): float(s) for k, s in data["draft"].items()}, spread=float(data.get("spread", 1)))
+                   draft={int(k): float(s) for k, s in data["draft"].items()},
+                   tree={int(e): float(s) for e, s in data.get("tree", {}).items()},
+                   tree_k=int(data.get("tree_k", 0)), spread=float(data.get("spread", 1)))
 
 
 @dataclass
@@ -109,7 +129,10 @@ def priced_seconds(steps: Sequence[StepRecord], curve: CostCurve, k: int) -> flo
         if step.draft_pass:
             seconds += curve.draft_s(k)
         fed = 1 + step.candidates
-        seconds += curve.pass_s(fed * (1 + k) if step.kind == "fused" else fed)
+        if step.kind == "tree":
+            seconds += curve.tree_s(k, step.candidates - k)
+        else:
+            seconds += curve.pass_s(fed * (1 + k) if step.kind == "fused" else fed)
     return seconds
 
 
@@ -123,31 +146,52 @@ def _prefill(sat_model: SatModel, context: int, generator: torch.Generator) -> t
     return cache, vocab
 
 
+TREE_K = 3  # the depth of the draft trees timed (or the SATs' largest k, if smaller)
+TREE_EXTRAS = (1, 2, 4, MAX_EXTRA)  # their runner-ups (those that fit that depth)
+
+
 def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None, context: int = CONTEXT,
-                  repeats: int = 5, seed: int = 0) -> CostCurve:
-    """Time plain blocks of each width and draft blocks [t, SAT×k] for k = 1..`drafts` (default: the
-    SATs' largest k, at most 8), sizes interleaved in every round; medians, the first round dropped."""
+                  repeats: int = 5, seed: int = 0, trees: bool = True) -> CostCurve:
+    """Time plain blocks of each width, draft blocks [t, SAT×k] for k = 1..`drafts` (default: the SATs'
+    largest k, at most 8) and verify passes over draft trees of depth TREE_K with TREE_EXTRAS runner-ups,
+    sizes interleaved in every round; medians, the first round dropped."""
     gen = torch.Generator().manual_seed(seed)
     cache, vocab = _prefill(sat_model, context, gen)
     device = sat_model.device
     drafts = min(sat_model.max_k, 8) if drafts is None else drafts
-    blocks = [("plain", w) for w in sorted(set(widths) | {1})] + [("draft", k) for k in range(1, drafts + 1)]
+    tree_k = min(TREE_K, sat_model.max_k)
+    fit = len(DraftTree.for_k(tree_k, MAX_EXTRA).paths) - tree_k if trees else 0
+    blocks = ([("plain", w) for w in sorted(set(widths) | {1})] + [("draft", k) for k in range(1, drafts + 1)]
+              + [("tree", e) for e in sorted({min(e, fit) for e in TREE_EXTRAS} - {0})])
     times: dict[tuple[str, int], list[float]] = {b: [] for b in blocks}
     for _ in range(repeats + 1):
         for kind, size in blocks:
-            width = size if kind == "plain" else size + 1
-            ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
-            slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
+            inputs = _timed_block(kind, size, tree_k, context, vocab, gen, device)
             start = timing.now(device)
             with torch.inference_mode():
-                sat_model.forward(ids, slots, cache=cache, logits_to_keep=width)
+                sat_model.forward(**inputs, cache=cache)
             times[(kind, size)].append(timing.now(device) - start)
             rollback(cache, context)
     median = {b: statistics.median(v[1:]) for b, v in times.items()}
     dtype = str(next(sat_model.model.parameters()).dtype).removeprefix("torch.")
     one = times[("plain", 1)][1:]
-    return CostCurve(dtype=dtype, plain={s: t for (kind, s), t in median.items() if kind == "plain"},
-                     draft={s: t for (kind, s), t in median.items() if kind == "draft"}, spread=max(one) / min(one))
+    of = {kind: {s: t for (kind_, s), t in median.items() if kind_ == kind} for kind in ("plain", "draft", "tree")}
+    return CostCurve(dtype=dtype, plain=of["plain"], draft=of["draft"], tree=of["tree"],
+                     tree_k=tree_k if of["tree"] else 0, spread=max(one) / min(one))
+
+
+def _timed_block(kind: str, size: int, tree_k: int, context: int, vocab: int, gen: torch.Generator,
+                 device) -> dict:
+    """SatModel.forward's inputs for one timed pass behind `context` cached tokens."""
+    if kind == "tree":
+        tree = DraftTree.for_k(tree_k, size)
+        ids = torch.randint(0, vocab, (1, 1 + len(tree.paths)), generator=gen).to(device)
+        return dict(input_ids=ids, attention_mask=behind_cache(tree.attention_mask, context, device),
+                    position_ids=tree.position_offsets.to(device) + context)
+    width = size if kind == "plain" else size + 1
+    ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
+    slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
+    return dict(input_ids=ids, sat_slots=slots, logits_to_keep=width)
 
 
 def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 60, seed: int = 1) -> RowCheck:
@@ -170,7 +214,7 @@ def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 60,
             alone_rows += alone
             block_rows += list(block)
         # A tree's chain rows (t, then depth 1, 2, ...) see what a plain block's do; its runner-ups ride along.
-        tree = DraftTree.for_k(3, 2)
+        tree = DraftTree.for_k(3, 4)
         ids = torch.randint(0, vocab, (1, 1 + len(tree.paths)), generator=gen).to(device)
         chain = [0] + [1 + i for i, p in enumerate(tree.paths) if set(p) == {0}]
         alone = [sat_model.forward(ids[:, i:i + 1], cache=cache, logits_to_keep=1)[0, -1] for i in chain]
@@ -180,12 +224,17 @@ def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 60,
         rollback(cache, context)
         alone_rows += alone
         block_rows += [block[i] for i in chain]
-        # A runner-up at depth 1 sees the cache, t and itself, not the chain between (keys gathered, not a prefix).
-        node = 1 + tree.paths.index((1,))
-        sat_model.forward(ids[:, :1], cache=cache, logits_to_keep=1)
-        alone_rows.append(sat_model.forward(ids[:, node:node + 1], cache=cache, logits_to_keep=1)[0, -1])
-        block_rows.append(block[node])
-        rollback(cache, context)
+        # A runner-up sees the cache, t, its ancestors and itself, not the chain between (keys gathered, not a
+        # prefix; the runner-ups of one key count attend in one batched call): alone, after t and its ancestors.
+        for node, path in enumerate(tree.paths):
+            if set(path) == {0}:
+                continue
+            ancestors = [1 + tree.paths.index(path[:depth]) for depth in range(1, len(path))]
+            for row in [0] + ancestors:
+                sat_model.forward(ids[:, row:row + 1], cache=cache, logits_to_keep=1)
+            alone_rows.append(sat_model.forward(ids[:, node + 1:node + 2], cache=cache, logits_to_keep=1)[0, -1])
+            block_rows.append(block[node + 1])
+            rollback(cache, context)
         k = min(3, sat_model.max_k)
         slots = torch.cat([torch.tensor([-1]), torch.arange(k)])[None].to(device)
         draft = sat_model.forward(ids[:, :k + 1], slots, cache=cache, logits_to_keep=k + 1)[0, 0]

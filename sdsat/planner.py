@@ -167,7 +167,7 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
             seconds += curve.pass_s(1 + width)
             n += right + 1
         else:
-            seconds += curve.pass_s(1 + len(tree.paths))
+            seconds += curve.tree_s(k, settings.tree_candidates)
             n += _accepted(tree, ranks[n - 1][:k]) + 1
         passes += 1
     return total, passes, seconds

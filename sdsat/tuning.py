@@ -45,7 +45,7 @@ CPU_PRECISIONS = ("float32", "bfloat16")
 # The forms of a precision on a CPU: row-invariant products with tiled or per-row attention, or routed.
 INVARIANT, PER_ROW, ROUTED = "row-invariant", "row-invariant per-row", "routed"
 EXACT_FORMS = (INVARIANT, PER_ROW)  # tried in this order; the first whose rows check bit-equal is SDSAT's
-_FORMAT = 5
+_FORMAT = 6
 MEASURE_ROUNDS = 2  # a noisy curve: the precisions measured now are measured once more (see `tune`)
 TUNING_FILE = "tuning.json"  # the measurements, in the engine's cache folder (default_model.cache_dir)
 
@@ -223,7 +223,7 @@ def _measure(sat_model, precision: str, kernels: bool) -> tuple[str, CostCurve, 
                 others = {}
                 for other in [f for f in EXACT_FORMS if f != form] + [ROUTED]:
                     with trying(sat_model, precision, kernels, other), torch.inference_mode():
-                        others[other] = measure_curve(sat_model, widths=(1,), drafts=0)
+                        others[other] = measure_curve(sat_model, widths=(1,), drafts=0, trees=False)
                 noisy = any(c.noisy for c in others.values())
                 return form, curve, rows, None if noisy else {f: c.one_token_s for f, c in others.items()}
     with trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():

@@ -97,6 +97,41 @@ def test_moderate_curve_lies_between():
     assert moderate.tree_candidates <= flat.tree_candidates
 
 
+def with_trees(base: CostCurve, node_cost: float, tree_k: int = 3) -> CostCurve:
+    """`base` with draft-tree passes timed at depth tree_k: each runner-up costs `node_cost` × a one-token pass
+    beyond a plain block as wide."""
+    one = base.one_token_s
+    base.tree = {e: base.pass_s(1 + tree_k + e) + e * node_cost * one for e in (1, 2, 4, MAX_EXTRA)}
+    base.tree_k = tree_k
+    return base
+
+
+def test_tree_pass_cost_is_the_plain_block_plus_the_timed_runner_ups_cost():
+    """Measured trees price every tree: a plain block as wide plus the runner-ups' extra cost, interpolated
+    between the timed counts and carried on past the widest; without timed trees, the plain block alone."""
+    plain = curve(lambda w: 1 + 0.05 * (w - 1))
+    assert plain.tree_s(2, 3) == plain.pass_s(6)
+    timed = with_trees(curve(lambda w: 1 + 0.05 * (w - 1)), node_cost=0.2)
+    one = timed.one_token_s
+    for k, extra in ((3, 1), (2, 3), (3, 4), (1, 2)):
+        assert timed.tree_s(k, extra) == pytest.approx(timed.pass_s(1 + k + extra) + extra * 0.2 * one)
+    assert timed.tree_s(3, 0) == timed.pass_s(4)
+    timed.tree[MAX_EXTRA] = timed.pass_s(1 + 3 + MAX_EXTRA)  # no dearer than the plain block past 4: never cheaper
+    assert timed.tree_s(3, MAX_EXTRA) == pytest.approx(timed.pass_s(1 + 3 + MAX_EXTRA))
+    assert CostCurve.from_dict(timed.to_dict()) == timed
+
+
+def test_runner_ups_that_cost_more_than_they_bring_are_left_out():
+    """The same flat curve: free runner-ups make a wide tree pay; runner-ups dear as half a pass each do not,
+    and the predicted speed-up counts what the chosen tree costs."""
+    two_step, trace = ("two_step",), synthetic_trace()
+    free = choose([with_trees(curve(FLAT), 0.0)], trace, max_k=6, schemes=two_step)
+    dear = choose([with_trees(curve(FLAT), 0.5)], trace, max_k=6, schemes=two_step)
+    assert free.settings.tree_candidates >= MAX_EXTRA // 2
+    assert dear.settings.tree_candidates < free.settings.tree_candidates
+    assert dear.predicted.speedup < free.predicted.speedup
+
+
 def test_choice_is_deterministic_for_a_curve():
     trace = synthetic_trace(seed=3)
     curves = [curve(lambda w: 1 + 0.05 * w), curve(lambda w: 1 + 0.02 * w, "bfloat16", one=0.05)]

@@ -105,7 +105,7 @@ def chosen_widths(curve: CostCurve, k: int, lookup_tokens: int, tree_candidates:
     verify = 1 + len(DraftTree.for_k(k, tree_candidates).paths)
     tree = f", {tree_candidates} runner-ups" if tree_candidates else ""
     out = [(f"draft pass [t, SAT×{k}]", k + 1, curve.draft_s(k) / curve.one_token_s),
-           (f"verify pass [t, {k} drafts{tree}]", verify, curve.pass_s(verify) / curve.one_token_s)]
+           (f"verify pass [t, {k} drafts{tree}]", verify, curve.tree_s(k, tree_candidates) / curve.one_token_s)]
     if lookup_tokens:
         out.append((f"prompt-lookup verify [t, up to {lookup_tokens} copies]", 1 + lookup_tokens,
                     curve.pass_s(1 + lookup_tokens) / curve.one_token_s))
