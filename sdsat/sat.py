@@ -22,6 +22,7 @@ import functools
 import inspect
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -101,7 +102,9 @@ class SatAdapter(nn.Module):
     The updates are forward hooks on the base model's linear layers: ``y = W x + (x A) B * s`` on
     the SAT rows only (the tail of the block), so standard rows get ``W x`` untouched and stay
     bit-identical. With ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows
-    entering that layer.
+    entering that layer. The hooks are in place only while a pass with SAT rows runs (`hooked`):
+    a module with any hook takes PyTorch's slower call path, which would tax every plain pass, vanilla's
+    included.
     """
 
     def __init__(self, config: AdapterConfig):
@@ -112,7 +115,10 @@ class SatAdapter(nn.Module):
         self.lora_b = nn.ParameterDict()  # "layer_module" -> (r, out); zero-initialised
         # Input embedding of every SAT row when the SAT embeddings are injected higher up; fixed.
         self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
+        self._hooks: list[tuple[nn.Module, object, bool]] = []  # (module, hook, is a pre-hook): see `hooked`
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._passes = 0  # passes with SAT rows running now (threads may share the model)
+        self._lock = threading.Lock()
         self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # see _sat_input
         self._scaled_b: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}  # see _scaled
 
@@ -153,10 +159,25 @@ class SatAdapter(nn.Module):
             if have != want:
                 raise ValueError(f"SAT adapter weights for {key} have shapes {have[0]} and {have[1]}, but this model "
                                  f"needs {want[0]} and {want[1]}: the adapter was saved for another model")
-            self._handles.append(linear.register_forward_hook(self._make_hook(key)))
+            self._hooks.append((linear, self._make_hook(key), False))
         if self.config.inject_layer > 0:
-            layer = _decoder_layers(model)[self.config.inject_layer]
-            self._handles.append(layer.register_forward_pre_hook(self._inject, with_kwargs=True))
+            self._hooks.append((_decoder_layers(model)[self.config.inject_layer], self._inject, True))
+
+    @contextlib.contextmanager
+    def hooked(self) -> Iterator[None]:
+        """The SAT hooks in place for a pass with SAT rows: put in by the first such pass, taken out by the last."""
+        with self._lock:
+            if not self._passes:
+                self._handles = [module.register_forward_pre_hook(hook, with_kwargs=True) if pre
+                                 else module.register_forward_hook(hook) for module, hook, pre in self._hooks]
+            self._passes += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._passes -= 1
+                if not self._passes:
+                    self._remove_handles()
 
     def input_embeddings(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, T) SAT slots -> (B, T, H) what the SAT rows feed into the first layer."""
@@ -176,11 +197,17 @@ class SatAdapter(nn.Module):
         return args, {**kwargs, "hidden_states": hidden}
 
     def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        with self._lock:
+            self._remove_handles()
+            self._hooks.clear()
+            self._passes = 0
         self._last_input = None
         self._scaled_b.clear()
+
+    def _remove_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _make_hook(self, key: str):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
@@ -406,5 +433,5 @@ class SatModel:
         slots = sat_slots[:, start:]
         embed = self.model.get_input_embeddings()(input_ids[:, :start])  # (B, n, H)
         sat_embed = self.adapter.input_embeddings(slots).to(embed.dtype)  # (B, T - n, H)
-        with sat_rows(start, slots):
+        with sat_rows(start, slots), self.adapter.hooked():
             return call_with_cache(module, cache, inputs_embeds=torch.cat([embed, sat_embed], dim=1), **kwargs)

@@ -582,3 +582,30 @@ def test_the_decoding_path_of_the_sat_hooks_computes_the_training_paths_update(p
     sat_model.adapter.attach(sat_model.model)
     if precision == "float32":
         torch.testing.assert_close(logits(False), before)
+
+
+def test_the_sat_hooks_are_in_place_only_during_a_pass_with_sat_rows():
+    """A module with any hook takes PyTorch's slower call path: plain passes (vanilla's, verify passes) must
+    run on the bare model, while a draft pass finds every hook in place, also when another thread's draft pass
+    ends first."""
+    sat_model = make_sat_model("adapter")
+    adapter = sat_model.adapter
+
+    def hooked_modules() -> int:
+        return sum(bool(m._forward_hooks or m._forward_pre_hooks) for m in sat_model.model.modules())
+
+    assert hooked_modules() == 0
+    seen = []
+    probe = adapter._hooks[0][0].register_forward_hook(lambda *a: seen.append(hooked_modules()))
+    ids, slots = torch.tensor([[5, 7, 9, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1]])
+    with torch.inference_mode():
+        sat_model.forward(ids)
+        sat_model.forward(ids, slots)
+    probe.remove()
+    assert seen == [1, len(adapter._hooks)]  # the probe alone, then the probe's module among the SAT hooks'
+    assert hooked_modules() == 0
+    with adapter.hooked():
+        with adapter.hooked():
+            assert hooked_modules() == len(adapter._hooks)
+        assert hooked_modules() == len(adapter._hooks)  # the other pass still runs
+    assert hooked_modules() == 0
