@@ -6,6 +6,7 @@ when either is missing. Screenshots go to runs/screens/ (or $SDSAT_SCREENS).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -122,77 +123,78 @@ def test_cancelled_race_frees_the_worker(server):
     assert time.monotonic() - start < 60  # not queued behind 48 abandoned tokens of two decoders
 
 
-@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_race(server):
+@contextlib.contextmanager
+def _page(server: str, **options):
+    """A page of the served demo in headless Chromium (Debian's, driven by Playwright), closed afterwards."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    SCREENS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(**options)
             page.goto(server)
-            prompt = page.get_by_label("Prompt", exact=True)
-            prompt.fill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
-            page.locator("#max-new input[type=number]").fill("40")
-            page.get_by_role("button", name="Run the race").click()
-            page.locator(".check.ok").wait_for(timeout=300_000)
-            assert "Identical output: checked" in page.locator(".check.ok").inner_text()
-            assert page.locator("#sdsat-out .tok.src-verified").count() > 0
-            assert page.locator("#sdsat-out .tok.src-bonus").count() > 0
-            assert page.locator("#vanilla-out .tok").count() > 0
-            page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
-            assert page.locator(".js-plotly-plot").count() >= 4
-            page.get_by_role("button", name="next ▶").click()
-            page.locator("#explorer").get_by_text("Iteration 2 of").wait_for(timeout=10_000)
-            page.screenshot(path=str(SCREENS / "race.png"), full_page=True)
-            page.locator("#explorer").screenshot(path=str(SCREENS / "explorer.png"))
-            page.get_by_label("Show rejected drafts (struck through)").check()
-            page.locator("#sdsat-out .tok.src-rejected:visible").first.wait_for(timeout=10_000)  # not a bare newline
-            page.locator("#sdsat-out").hover()
-            page.locator("#sdsat-out").screenshot(path=str(SCREENS / "sdsat_rejected.png"))
-
-            # Markup in the prompt (and so in the explorer's context) stays text; no handler runs.
-            page.evaluate("window.__xss = 0")
-            prompt.fill('s = "<i>x</i> & {{7*7}} ${1+1}"  # <img src=x onerror="window.__xss=1">\nprint(')
-            page.locator("#max-new input[type=number]").fill("4")
-            page.get_by_role("button", name="Run the race").click()
-            page.locator("#explorer").get_by_text("print").first.wait_for(timeout=300_000)
-            page.locator(".check.ok").wait_for(timeout=60_000)
-            assert page.evaluate("window.__xss") == 0
-            assert page.locator("#explorer i, #explorer img, #sdsat-out img, #vanilla-out img").count() == 0
-
-            page.get_by_role("tab", name="How it works").click()
-            page.locator(".diagram svg").wait_for(timeout=10_000)
-            page.screenshot(path=str(SCREENS / "how_it_works.png"), full_page=True)
-            page.get_by_role("tab", name="Benchmark").click()
-            page.screenshot(path=str(SCREENS / "benchmark.png"), full_page=True)
+            yield page
         finally:
             browser.close()
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_browser_race(server):
+    SCREENS.mkdir(parents=True, exist_ok=True)
+    with _page(server, viewport={"width": 1400, "height": 1000}) as page:
+        prompt = page.get_by_label("Prompt", exact=True)
+        prompt.fill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
+        page.locator("#max-new input[type=number]").fill("40")
+        page.get_by_role("button", name="Run the race").click()
+        page.locator(".check.ok").wait_for(timeout=300_000)
+        assert "Identical output: checked" in page.locator(".check.ok").inner_text()
+        assert page.locator("#sdsat-out .tok.src-verified").count() > 0
+        assert page.locator("#sdsat-out .tok.src-bonus").count() > 0
+        assert page.locator("#vanilla-out .tok").count() > 0
+        page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
+        assert page.locator(".js-plotly-plot").count() >= 4
+        page.get_by_role("button", name="next ▶").click()
+        page.locator("#explorer").get_by_text("Iteration 2 of").wait_for(timeout=10_000)
+        page.screenshot(path=str(SCREENS / "race.png"), full_page=True)
+        page.locator("#explorer").screenshot(path=str(SCREENS / "explorer.png"))
+        page.get_by_label("Show rejected drafts (struck through)").check()
+        page.locator("#sdsat-out .tok.src-rejected:visible").first.wait_for(timeout=10_000)  # not a bare newline
+        page.locator("#sdsat-out").hover()
+        page.locator("#sdsat-out").screenshot(path=str(SCREENS / "sdsat_rejected.png"))
+
+        # Markup in the prompt (and so in the explorer's context) stays text; no handler runs.
+        page.evaluate("window.__xss = 0")
+        prompt.fill('s = "<i>x</i> & {{7*7}} ${1+1}"  # <img src=x onerror="window.__xss=1">\nprint(')
+        page.locator("#max-new input[type=number]").fill("4")
+        page.get_by_role("button", name="Run the race").click()
+        page.locator("#explorer").get_by_text("print").first.wait_for(timeout=300_000)
+        page.locator(".check.ok").wait_for(timeout=60_000)
+        assert page.evaluate("window.__xss") == 0
+        assert page.locator("#explorer i, #explorer img, #sdsat-out img, #vanilla-out img").count() == 0
+
+        page.get_by_role("tab", name="How it works").click()
+        page.locator(".diagram svg").wait_for(timeout=10_000)
+        page.screenshot(path=str(SCREENS / "how_it_works.png"), full_page=True)
+        page.get_by_role("tab", name="Benchmark").click()
+        page.screenshot(path=str(SCREENS / "benchmark.png"), full_page=True)
     assert (SCREENS / "race.png").stat().st_size > 10_000
 
 
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_race_with_a_draft_tree(server):
     """The Draft tree setting: still identical, a SAT's second choice is named in a token's tooltip, and
     the setting greys out when sampling (trees are greedy only)."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(server)
-            page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n'
-                                                         '    """Return the n-th Fibonacci number."""\n')
-            page.locator("#max-new input[type=number]").fill("40")
-            page.locator("#tree input[type=number]").fill("2")
-            page.locator("#tree input[type=number]").press("Enter")
-            page.get_by_role("button", name="Run the race").click()
-            page.locator(".check.ok").wait_for(timeout=300_000)
-            assert "Identical output: checked" in page.locator(".check.ok").inner_text()
-            assert page.locator('#sdsat-out .tok.src-draft[title*="2nd choice"]').count() > 0
-            page.get_by_label("sampling").check()
-            page.locator("#tree input[type=number]:disabled").wait_for(timeout=10_000)
-        finally:
-            browser.close()
+    with _page(server, viewport={"width": 1400, "height": 1000}) as page:
+        page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n'
+                                                     '    """Return the n-th Fibonacci number."""\n')
+        page.locator("#max-new input[type=number]").fill("40")
+        page.locator("#tree input[type=number]").fill("2")
+        page.locator("#tree input[type=number]").press("Enter")
+        page.get_by_role("button", name="Run the race").click()
+        page.locator(".check.ok").wait_for(timeout=300_000)
+        assert "Identical output: checked" in page.locator(".check.ok").inner_text()
+        assert page.locator('#sdsat-out .tok.src-draft[title*="2nd choice"]').count() > 0
+        page.get_by_label("sampling").check()
+        page.locator("#tree input[type=number]:disabled").wait_for(timeout=10_000)
 
 
 def test_chromium_and_playwright_are_available():
@@ -202,8 +204,6 @@ def test_chromium_and_playwright_are_available():
 
 
 # -- issue 18: examples, chat, benchmark chart, replay in the browser, phone width -----------------------
-def _browser(pw):
-    return pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
 
 
 def _open_tab(page, name: str):
@@ -231,84 +231,71 @@ def test_browser_default_race_leads_with_auto_and_yields_code(server, tuned_engi
     prose, with the predicted speed-up beside the achieved one, and This machine shows the measured pass costs.
     The paper's scheme is one click away, and a chat example asking for a function gives code too."""
     plan = tuned_engine.tuning.plan_for(("two_step",), True)
-    sync_api = pytest.importorskip("playwright.sync_api")
     SCREENS.mkdir(parents=True, exist_ok=True)
-    with sync_api.sync_playwright() as pw:
-        browser = _browser(pw)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(server)
-            assert page.get_by_label("auto (predicted fastest on this machine)").is_checked()
-            tree = str(plan.settings.tree_candidates)
-            page.wait_for_function(f"document.querySelector('#tree input[type=number]').value === '{tree}'",
-                                   timeout=30_000)
-            assert plan.reason in page.locator("#auto-note").inner_text()
-            _run_race(page)  # the default prompt and settings, as a visitor first sees them
-            assert "predicted" in page.locator(".headline .card.accent").inner_text()
-            text = page.locator("#sdsat-out .sdsat-out").inner_text()
-            assert "return" in text and "\n    " in text, text  # an indented function body
-            assert not text.lstrip().startswith("```"), text
-            assert page.locator("#sdsat-out .tok.src-copy, #sdsat-out .tok.src-draft").count() > 0
-            page.screenshot(path=str(SCREENS / "desktop_race.png"))
-            page.get_by_text("This machine: what a forward pass costs here").click()
-            page.locator("#machine-plot .js-plotly-plot").wait_for(timeout=30_000)
-            assert "ms per one-token pass" in page.locator("#machine").inner_text()
-            page.locator("#machine-box").screenshot(path=str(SCREENS / "this_machine.png"))
-            page.get_by_label("paper (two-step SATs only)").check()
-            page.locator("#tree input[type=number]").wait_for(timeout=5_000)
-            page.wait_for_function("document.querySelector('#tree input[type=number]').value === '0'", timeout=10_000)
-            assert page.locator("#scheme").get_by_text("paper").count() > 0
-            page.get_by_text("prime check: chat request → code").click()
-            sync_api.expect(page.get_by_label("Chat: wrap the prompt in the model's chat template")).to_be_checked()
-            _run_race(page)
-            assert "def is_prime" in page.locator("#sdsat-out .sdsat-out").inner_text()
-        finally:
-            browser.close()
+    with _page(server, viewport={"width": 1440, "height": 1000}) as page:
+        assert page.get_by_label("auto (predicted fastest on this machine)").is_checked()
+        tree = str(plan.settings.tree_candidates)
+        page.wait_for_function(f"document.querySelector('#tree input[type=number]').value === '{tree}'",
+                               timeout=30_000)
+        assert plan.reason in page.locator("#auto-note").inner_text()
+        _run_race(page)  # the default prompt and settings, as a visitor first sees them
+        assert "predicted" in page.locator(".headline .card.accent").inner_text()
+        text = page.locator("#sdsat-out .sdsat-out").inner_text()
+        assert "return" in text and "\n    " in text, text  # an indented function body
+        assert not text.lstrip().startswith("```"), text
+        assert page.locator("#sdsat-out .tok.src-copy, #sdsat-out .tok.src-draft").count() > 0
+        page.screenshot(path=str(SCREENS / "desktop_race.png"))
+        page.get_by_text("This machine: what a forward pass costs here").click()
+        page.locator("#machine-plot .js-plotly-plot").wait_for(timeout=30_000)
+        assert "ms per one-token pass" in page.locator("#machine").inner_text()
+        page.locator("#machine-box").screenshot(path=str(SCREENS / "this_machine.png"))
+        page.get_by_label("paper (two-step SATs only)").check()
+        page.locator("#tree input[type=number]").wait_for(timeout=5_000)
+        page.wait_for_function("document.querySelector('#tree input[type=number]').value === '0'", timeout=10_000)
+        assert page.locator("#scheme").get_by_text("paper").count() > 0
+        page.get_by_text("prime check: chat request → code").click()
+        expect = pytest.importorskip("playwright.sync_api").expect
+        expect(page.get_by_label("Chat: wrap the prompt in the model's chat template")).to_be_checked()
+        _run_race(page)
+        assert "def is_prime" in page.locator("#sdsat-out .sdsat-out").inner_text()
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_chat_two_turns_coloured_regenerate_replaces_only_the_last(server):
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        browser = _browser(pw)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(server)
-            page.get_by_role("tab", name="Chat").click()
-            box = page.locator("#chat-msg textarea")
-            done = "#chatbot .chat-turn.turn-{}.run-{} .badge.speed"
-            for turn, message in enumerate(["Write a Python function that checks whether a number is prime.",
-                                             "Now write one that checks whether a number is even."]):
-                box.fill(message)
-                page.get_by_role("button", name="Send").click()
-                page.locator(done.format(turn, 1)).wait_for(timeout=300_000)
-            turns = page.locator("#chatbot .chat-turn")
-            assert turns.count() == 2
-            for i in range(2):  # both turns keep their colour coding and tooltips
-                turn = page.locator(f"#chatbot .chat-turn.turn-{i}")
-                assert turn.locator(".tok.src-verified").count() > 0
-                assert turn.locator(".tok.src-bonus, .tok.src-draft, .tok.src-copy").count() > 0
-                assert "iteration 1" in turn.locator(".tok").first.get_attribute("title")
-            assert ("is_prime" in turns.nth(0).inner_text()
-                    and "identical check: not run yet" in turns.nth(1).inner_text())
-            first = turns.nth(0).inner_html()
-            page.screenshot(path=str(SCREENS / "desktop_chat.png"))
+    with _page(server, viewport={"width": 1440, "height": 1000}) as page:
+        page.get_by_role("tab", name="Chat").click()
+        box = page.locator("#chat-msg textarea")
+        done = "#chatbot .chat-turn.turn-{}.run-{} .badge.speed"
+        for turn, message in enumerate(["Write a Python function that checks whether a number is prime.",
+                                         "Now write one that checks whether a number is even."]):
+            box.fill(message)
+            page.get_by_role("button", name="Send").click()
+            page.locator(done.format(turn, 1)).wait_for(timeout=300_000)
+        turns = page.locator("#chatbot .chat-turn")
+        assert turns.count() == 2
+        for i in range(2):  # both turns keep their colour coding and tooltips
+            turn = page.locator(f"#chatbot .chat-turn.turn-{i}")
+            assert turn.locator(".tok.src-verified").count() > 0
+            assert turn.locator(".tok.src-bonus, .tok.src-draft, .tok.src-copy").count() > 0
+            assert "iteration 1" in turn.locator(".tok").first.get_attribute("title")
+        assert ("is_prime" in turns.nth(0).inner_text()
+                and "identical check: not run yet" in turns.nth(1).inner_text())
+        first = turns.nth(0).inner_html()
+        page.screenshot(path=str(SCREENS / "desktop_chat.png"))
 
-            page.get_by_role("button", name="↻ Regenerate").click()
-            page.locator(done.format(1, 2)).wait_for(timeout=300_000)
-            assert page.locator("#chatbot .chat-turn").count() == 2
-            assert page.locator("#chatbot .chat-user").count() == 2
-            assert page.locator("#chatbot .chat-turn").nth(0).inner_html() == first  # the first turn is untouched
-            assert "regenerated" in page.locator("#chatbot .chat-turn.turn-1").inner_text()
+        page.get_by_role("button", name="↻ Regenerate").click()
+        page.locator(done.format(1, 2)).wait_for(timeout=300_000)
+        assert page.locator("#chatbot .chat-turn").count() == 2
+        assert page.locator("#chatbot .chat-user").count() == 2
+        assert page.locator("#chatbot .chat-turn").nth(0).inner_html() == first  # the first turn is untouched
+        assert "regenerated" in page.locator("#chatbot .chat-turn.turn-1").inner_text()
 
-            page.get_by_role("button", name="Race this turn against vanilla").click()
-            page.locator("#chatbot .chat-turn.turn-1 .badge.ok").wait_for(timeout=300_000)
-            assert "identical to vanilla" in page.locator("#chatbot .chat-turn.turn-1 .badge.ok").inner_text()
+        page.get_by_role("button", name="Race this turn against vanilla").click()
+        page.locator("#chatbot .chat-turn.turn-1 .badge.ok").wait_for(timeout=300_000)
+        assert "identical to vanilla" in page.locator("#chatbot .chat-turn.turn-1 .badge.ok").inner_text()
 
-            page.get_by_role("button", name="Clear conversation").click()
-            page.wait_for_function("document.querySelectorAll('#chatbot .chat-turn').length === 0", timeout=10_000)
-        finally:
-            browser.close()
+        page.get_by_role("button", name="Clear conversation").click()
+        page.wait_for_function("document.querySelectorAll('#chatbot .chat-turn').length === 0", timeout=10_000)
 
 
 def test_chat_api_takes_the_history_and_checks_against_vanilla(server):
@@ -333,88 +320,67 @@ def test_chat_api_takes_the_history_and_checks_against_vanilla(server):
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_benchmark_tab_leads_with_its_chart(server):
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        browser = _browser(pw)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(server)
-            page.get_by_role("tab", name="Benchmark").click()
-            chart = page.locator("#bench-chart .js-plotly-plot")
-            chart.wait_for(timeout=30_000)
-            box = chart.bounding_box()
-            assert box["y"] + box["height"] <= 900 and box["height"] > 250  # the whole chart on the first screen
-            assert "AMD EPYC" in chart.inner_text() and "fastest" in chart.inner_text()
-            intro = page.locator("#bench-intro").inner_text()
-            assert "measured on AMD EPYC, 2 cores" in intro and "Race tab measures your own run" in intro
-            page.screenshot(path=str(SCREENS / "desktop_benchmark.png"))
-            assert page.locator(".bench-table:visible").count() == 0  # folded
-            page.get_by_text("HumanEval, all 164 problems").first.click()
-            table = page.locator(".bench-table:visible").first
-            table.wait_for(timeout=10_000)
-            assert "1.63×" in table.inner_text() and "0.64 · 0.40" in table.inner_text()
-            assert "[0.64" not in page.locator("body").inner_text()
-            files = page.locator("body").inner_text()
-            assert "humaneval-164-results" in files and "humaneval-164-summary" in files  # downloads named by suite
-            assert page.get_by_text("Figures", exact=True).count() == 0  # the empty gallery is gone
-        finally:
-            browser.close()
+    with _page(server, viewport={"width": 1440, "height": 900}) as page:
+        page.get_by_role("tab", name="Benchmark").click()
+        chart = page.locator("#bench-chart .js-plotly-plot")
+        chart.wait_for(timeout=30_000)
+        box = chart.bounding_box()
+        assert box["y"] + box["height"] <= 900 and box["height"] > 250  # the whole chart on the first screen
+        assert "AMD EPYC" in chart.inner_text() and "fastest" in chart.inner_text()
+        intro = page.locator("#bench-intro").inner_text()
+        assert "measured on AMD EPYC, 2 cores" in intro and "Race tab measures your own run" in intro
+        page.screenshot(path=str(SCREENS / "desktop_benchmark.png"))
+        assert page.locator(".bench-table:visible").count() == 0  # folded
+        page.get_by_text("HumanEval, all 164 problems").first.click()
+        table = page.locator(".bench-table:visible").first
+        table.wait_for(timeout=10_000)
+        assert "1.63×" in table.inner_text() and "0.64 · 0.40" in table.inner_text()
+        assert "[0.64" not in page.locator("body").inner_text()
+        files = page.locator("body").inner_text()
+        assert "humaneval-164-results" in files and "humaneval-164-summary" in files  # downloads named by suite
+        assert page.get_by_text("Figures", exact=True).count() == 0  # the empty gallery is gone
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_replay_plays_without_the_server(server):
     """Replay runs in the browser: it sends no request, and the server answers others while it plays."""
-    sync_api = pytest.importorskip("playwright.sync_api")
     from gradio_client import Client
 
-    with sync_api.sync_playwright() as pw:
-        browser = _browser(pw)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(server)
-            _run_race(page, "32")
-            sent = []
-            page.on("request", lambda request: sent.append(request.url))
-            page.get_by_role("button", name="▶ Replay both on one clock, at the measured speed").click()
-            page.locator('#replay-status [data-state="playing"]').wait_for(timeout=5_000)
-            assert page.locator("#sdsat-out .tok.replay-hidden").count() > 0  # tokens appear again over time
-            data = Client(server, verbose=False).predict(**(RACE_ARGS | dict(max_new_tokens=2)), api_name="/generate")
-            assert data["identical"] is True
-            page.locator('#replay-status [data-state="done"]').wait_for(timeout=120_000)
-            assert page.locator("#sdsat-out .replay-hidden, #vanilla-out .replay-hidden").count() == 0
-            assert "SDSAT" in page.locator("#replay-status").inner_text()
-            assert not [url for url in sent if "/queue/" in url or "/run/" in url or "/call/" in url], sent
-        finally:
-            browser.close()
+    with _page(server, viewport={"width": 1440, "height": 1000}) as page:
+        _run_race(page, "32")
+        sent = []
+        page.on("request", lambda request: sent.append(request.url))
+        page.get_by_role("button", name="▶ Replay both on one clock, at the measured speed").click()
+        page.locator('#replay-status [data-state="playing"]').wait_for(timeout=5_000)
+        assert page.locator("#sdsat-out .tok.replay-hidden").count() > 0  # tokens appear again over time
+        data = Client(server, verbose=False).predict(**(RACE_ARGS | dict(max_new_tokens=2)), api_name="/generate")
+        assert data["identical"] is True
+        page.locator('#replay-status [data-state="done"]').wait_for(timeout=120_000)
+        assert page.locator("#sdsat-out .replay-hidden, #vanilla-out .replay-hidden").count() == 0
+        assert "SDSAT" in page.locator("#replay-status").inner_text()
+        assert not [url for url in sent if "/queue/" in url or "/run/" in url or "/call/" in url], sent
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_phone_width_has_no_sideways_scroll(server):
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        browser = _browser(pw)
-        try:
-            page = browser.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True,
-                                    has_touch=True)
-            page.goto(server)
-            _run_race(page, "24")
-            page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
-            page.evaluate("document.querySelector('.headline').scrollIntoView()")
-            page.screenshot(path=str(SCREENS / "phone_race.png"))
-            width = "Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)"
-            assert page.evaluate(width) <= 390
-            explorer = page.locator("#explorer")
-            explorer.scroll_into_view_if_needed()
-            assert explorer.bounding_box()["width"] <= 390
-            inside = "getComputedStyle(document.querySelector('#explorer .explorer')).overflowX"
-            assert page.evaluate(inside) in ("auto", "scroll")  # a wide explorer scrolls within itself
-            page.locator("#explorer").screenshot(path=str(SCREENS / "phone_explorer.png"))
-            for plot in page.locator(".js-plotly-plot").all():
-                assert plot.bounding_box()["width"] <= 390
-            for tab in ("Chat", "How it works", "Benchmark"):
-                _open_tab(page, tab)
-                page.wait_for_timeout(500)
-                assert page.evaluate(width) <= 390, tab
-            page.screenshot(path=str(SCREENS / "phone_benchmark.png"))
-        finally:
-            browser.close()
+    phone = dict(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True, has_touch=True)
+    with _page(server, **phone) as page:
+        _run_race(page, "24")
+        page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
+        page.evaluate("document.querySelector('.headline').scrollIntoView()")
+        page.screenshot(path=str(SCREENS / "phone_race.png"))
+        width = "Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)"
+        assert page.evaluate(width) <= 390
+        explorer = page.locator("#explorer")
+        explorer.scroll_into_view_if_needed()
+        assert explorer.bounding_box()["width"] <= 390
+        inside = "getComputedStyle(document.querySelector('#explorer .explorer')).overflowX"
+        assert page.evaluate(inside) in ("auto", "scroll")  # a wide explorer scrolls within itself
+        page.locator("#explorer").screenshot(path=str(SCREENS / "phone_explorer.png"))
+        for plot in page.locator(".js-plotly-plot").all():
+            assert plot.bounding_box()["width"] <= 390
+        for tab in ("Chat", "How it works", "Benchmark"):
+            _open_tab(page, tab)
+            page.wait_for_timeout(500)
+            assert page.evaluate(width) <= 390, tab
+        page.screenshot(path=str(SCREENS / "phone_benchmark.png"))
