@@ -17,12 +17,12 @@ from ..tuning import Tuning
 from .settings import SettingError
 
 AUTO = "auto"
-SCHEMES = {  # the fixed schemes; auto's values depend on the machine and the model
+FIXED = {  # the page's fixed presets; auto's values depend on the machine and the model
     "paper": dict(k=3, lookup_tokens=0, tree_candidates=0),
 }
 # auto without a plan: the settings measured fastest on the AMD EPYC of docs/results.md
 FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
-SCHEME_LABELS = {  # the radio's choices -> AUTO or SCHEMES keys
+SCHEME_LABELS = {  # the radio's choices -> AUTO or FIXED keys
     "auto (predicted fastest on this machine)": AUTO,
     "paper (two-step SATs only)": "paper",
 }
@@ -47,9 +47,9 @@ def scheme_settings(label: str, auto: dict | None = None) -> dict:
     key = SCHEME_LABELS.get(label, label)
     if key == AUTO:
         return dict(auto or FALLBACK)
-    if key not in SCHEMES:
+    if key not in FIXED:
         raise SettingError(f"scheme must be one of: {', '.join(SCHEME_LABELS)}; got {label!r}")
-    return dict(SCHEMES[key])
+    return dict(FIXED[key])
 
 
 def scheme_of(k, lookup_tokens, tree_candidates, auto: dict | None = None) -> str:
