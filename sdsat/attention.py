@@ -55,7 +55,8 @@ def _soft_capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores.div_(softcap).tanh_().mul_(softcap)
 
 
-def _capped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, softcap: float):
+def _capped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+            softcap: float) -> torch.Tensor:
     """One row's attention with soft-capped scores (SDPA has no soft-capping): (1, H, 1, D) over (1, Hkv, S, D)."""
     kv_heads, group = key.shape[1], query.shape[1] // key.shape[1]
     q = query[0].reshape(kv_heads, group, query.shape[-1])
@@ -94,7 +95,9 @@ def _padded(n: int) -> int:
     return -(-n // KEY_BLOCK) * KEY_BLOCK
 
 
-KEEP_MASKS = 8  # a layout of at most this many tiles (a decode pass) keeps its masks for every layer
+KEEP_MASKS = 16  # a layout of at most this many tiles (a decode pass, a tree's nodes included) keeps its
+# masks for every layer
+GATHER_ROWS = 32  # gathered rows per batched call: a sliding window's prefill gathers a window per row
 
 
 @dataclass
@@ -149,6 +152,7 @@ def _gathered_mask(gathered: _Gathered, group: int, kv_heads: int, device) -> to
 
 
 def _gather(attention_mask: torch.Tensor, rows: list[int], padded: int, zero: int) -> _Gathered:
+    """`rows` of the block with their keys' indices, `padded` per row, the padding at index `zero` (a zero key)."""
     indices = [_seen(attention_mask, t) for t in rows]
     index = torch.full((len(rows), padded), zero, dtype=torch.long, device=attention_mask.device)
     for i, seen in enumerate(indices):
@@ -178,7 +182,8 @@ def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: in
             end += 1
         tiles.append(_tile(t, lengths[t:end], padded))
         t = end
-    gathered = [_gather(attention_mask, nodes, padded, keys) for padded, nodes in by_keys.items()]
+    gathered = [_gather(attention_mask, nodes[i:i + GATHER_ROWS], padded, keys)
+                for padded, nodes in by_keys.items() for i in range(0, len(nodes), GATHER_ROWS)]
     if len(tiles) + sum(len(g.tiles) for g in gathered) <= KEEP_MASKS:  # a prompt's prefill makes its masks
         for tile in tiles:  # at each call instead of holding them all
             tile.mask = _tile_mask(tile, group, device)
@@ -214,7 +219,8 @@ def _padded_float(x: torch.Tensor, width: int) -> torch.Tensor:
 def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """The signature of `per_row_attention`. Every product has TILE_ROWS rows per query head and a multiple of
-    KEY_BLOCK keys, in float32: scores, softmax and the weighted values as three batched calls per tile."""
+    KEY_BLOCK keys, in float32: scores, softmax and the weighted values as three batched calls per tile, or per
+    group of gathered rows (a tile each)."""
     _check(query)
     softcap = kwargs.get("softcap")
     _, heads, rows, dim = query.shape

@@ -68,6 +68,7 @@ class CostCurve:
         """Seconds of a verify pass over DraftTree.for_k(k, extra): a plain block as wide, plus what the timed
         trees cost beyond their plain blocks for as many runner-ups (interpolated; extrapolated past the last)."""
         width = 1 + len(DraftTree.for_k(k, extra).paths)
+        extra = width - 1 - k  # the runner-ups that fit depth k
         if not extra or not self.tree:
             return self.pass_s(width)
         points = [(0, 0.0)] + [(e, s - self.pass_s(1 + len(DraftTree.for_k(self.tree_k, e).paths)))
@@ -129,8 +130,8 @@ def priced_seconds(steps: Sequence[StepRecord], curve: CostCurve, k: int) -> flo
         if step.draft_pass:
             seconds += curve.draft_s(k)
         fed = 1 + step.candidates
-        if step.kind == "tree":
-            seconds += curve.tree_s(k, step.candidates - k)
+        if step.kind == "tree":  # at the depth it drafted (adaptive k may have drafted fewer than k)
+            seconds += curve.tree_s(step.k, step.candidates - step.k)
         else:
             seconds += curve.pass_s(fed * (1 + k) if step.kind == "fused" else fed)
     return seconds
@@ -194,12 +195,13 @@ def _timed_block(kind: str, size: int, tree_k: int, context: int, vocab: int, ge
     return dict(input_ids=ids, sat_slots=slots, logits_to_keep=width)
 
 
-def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 60, seed: int = 1) -> RowCheck:
+def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 61, seed: int = 1) -> RowCheck:
     """Compare, row by row, the logits of blocks as every decoder feeds them with those of the same
     tokens fed one at a time (what vanilla computes): plain causal blocks of each width, a draft-tree
     block under its 4-D mask, and a draft block [t, SAT×k] (whose first row is the token SDSAT keeps
-    for sure). With 60 tokens cached, the blocks' rows see counts of keys on both sides of 64, where the
-    tiled attention (attention.py) cuts a block into calls of different key widths."""
+    for sure). With 61 tokens cached, the blocks' rows see counts of keys on both sides of 64, where the
+    tiled attention (attention.py) cuts a block into calls of different key widths; so do the tree's
+    runner-ups, which it gathers into one batched call per key width."""
     gen = torch.Generator().manual_seed(seed)
     cache, vocab = _prefill(sat_model, context, gen)
     device = sat_model.device
@@ -214,7 +216,7 @@ def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 60,
             alone_rows += alone
             block_rows += list(block)
         # A tree's chain rows (t, then depth 1, 2, ...) see what a plain block's do; its runner-ups ride along.
-        tree = DraftTree.for_k(3, 4)
+        tree = DraftTree.for_k(3, MAX_EXTRA)
         ids = torch.randint(0, vocab, (1, 1 + len(tree.paths)), generator=gen).to(device)
         chain = [0] + [1 + i for i, p in enumerate(tree.paths) if set(p) == {0}]
         alone = [sat_model.forward(ids[:, i:i + 1], cache=cache, logits_to_keep=1)[0, -1] for i in chain]

@@ -198,9 +198,9 @@ class SatAdapter(nn.Module):
 
     def detach(self) -> None:
         with self._lock:
-            self._remove_handles()
+            if self._passes:
+                raise RuntimeError("the SAT adapter cannot be detached while a pass with SAT rows runs")
             self._hooks.clear()
-            self._passes = 0
         self._last_input = None
         self._scaled_b.clear()
 

@@ -507,7 +507,7 @@ def test_this_machine_shows_a_curve_per_precision_and_the_chosen_passes(page, tu
         [1 + settings.lookup_tokens] if settings.lookup_tokens else [])
     curve = measured.curves["float32"]
     assert list(chosen.y)[:2] == [curve.draft_s(settings.k) / curve.one_token_s,
-                                  curve.pass_s(1 + settings.k + settings.tree_candidates) / curve.one_token_s]
+                                  curve.tree_s(settings.k, settings.tree_candidates) / curve.one_token_s]
     # Two precisions measured: a line each, and the one SDSAT may not use says why.
     monkeypatch.setattr(tuned_engine, "tuning", _with_faster_bfloat16(measured))
     view = page.machine(tuned_engine)
@@ -528,9 +528,11 @@ def test_race_shows_predicted_and_implied_speedups_beside_the_achieved(page, tun
     curve = measured.curves["float32"]
     cost = 0.0
     for step in record.sdsat.steps:
-        verified = len(step.tree_paths) if step.kind == "tree" else step.k  # tree nodes, SAT drafts or copies
         cost += (curve.draft_s(3) if step.draft_pass else 0.0) / curve.one_token_s
-        cost += curve.pass_s(1 + verified) / curve.one_token_s
+        if step.kind == "tree":  # the SAT drafts and their runner-ups, priced as the timed trees say
+            cost += curve.tree_s(step.k, len(step.tree_paths) - step.k) / curve.one_token_s
+        else:  # SAT drafts or copies
+            cost += curve.pass_s(1 + step.k) / curve.one_token_s
     assert data["implied_speedup"] == pytest.approx(data["sdsat"]["new_tokens"] / cost)
     predicted = predict(measured.trace, Settings("two_step", 3, 6, 2), curve, curve.one_token_s).speedup
     assert data["predicted_speedup"] == pytest.approx(predicted)

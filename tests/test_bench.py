@@ -549,6 +549,7 @@ def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(t
         scale = 0.01 if tuning.dtype_name(sat_model.model) == "float32" else 0.02
         curve.plain = {w: scale * (1 + 0.01 * w) for w in curve.plain}
         curve.draft = {k: scale * (1.1 + 0.01 * k) for k in curve.draft}
+        curve.tree, curve.tree_k = {}, 0  # trees priced as plain blocks
         curve.spread = 1.0
         return curve
 

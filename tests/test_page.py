@@ -231,13 +231,15 @@ def test_browser_default_race_leads_with_auto_and_yields_code(server, tuned_engi
     prose, with the predicted speed-up beside the achieved one, and This machine shows the measured pass costs.
     The paper's scheme is one click away, and a chat example asking for a function gives code too."""
     plan = tuned_engine.tuning.plan_for(("two_step",), True)
+    expect = pytest.importorskip("playwright.sync_api").expect
     SCREENS.mkdir(parents=True, exist_ok=True)
     with _page(server, viewport={"width": 1440, "height": 1000}) as page:
         assert page.get_by_label("auto (predicted fastest on this machine)").is_checked()
+        # The page load fills in the plan; where it keeps a slider's first value, only the note shows it is done.
+        expect(page.locator("#auto-note")).to_contain_text(plan.reason, timeout=30_000)
         tree = str(plan.settings.tree_candidates)
         page.wait_for_function(f"document.querySelector('#tree input[type=number]').value === '{tree}'",
                                timeout=30_000)
-        assert plan.reason in page.locator("#auto-note").inner_text()
         _run_race(page)  # the default prompt and settings, as a visitor first sees them
         assert "predicted" in page.locator(".headline .card.accent").inner_text()
         text = page.locator("#sdsat-out .sdsat-out").inner_text()
@@ -254,7 +256,6 @@ def test_browser_default_race_leads_with_auto_and_yields_code(server, tuned_engi
         page.wait_for_function("document.querySelector('#tree input[type=number]').value === '0'", timeout=10_000)
         assert page.locator("#scheme").get_by_text("paper").count() > 0
         page.get_by_text("prime check: chat request → code").click()
-        expect = pytest.importorskip("playwright.sync_api").expect
         expect(page.get_by_label("Chat: wrap the prompt in the model's chat template")).to_be_checked()
         _run_race(page)
         assert "def is_prime" in page.locator("#sdsat-out .sdsat-out").inner_text()

@@ -116,7 +116,7 @@ def test_tree_pass_cost_is_the_plain_block_plus_the_timed_runner_ups_cost():
     for k, extra in ((3, 1), (2, 3), (3, 4), (1, 2)):
         assert timed.tree_s(k, extra) == pytest.approx(timed.pass_s(1 + k + extra) + extra * 0.2 * one)
     assert timed.tree_s(3, 0) == timed.pass_s(4)
-    timed.tree[MAX_EXTRA] = timed.pass_s(1 + 3 + MAX_EXTRA)  # no dearer than the plain block past 4: never cheaper
+    timed.tree[MAX_EXTRA] = timed.pass_s(1 + 3 + MAX_EXTRA)  # as dear as its plain block: the extra cost is 0, not less
     assert timed.tree_s(3, MAX_EXTRA) == pytest.approx(timed.pass_s(1 + 3 + MAX_EXTRA))
     assert CostCurve.from_dict(timed.to_dict()) == timed
 

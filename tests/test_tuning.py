@@ -80,12 +80,16 @@ def test_trying_a_precision_restores_the_model_bit_for_bit():
     assert model.config._attn_implementation == attention and cpu_kernels.installed_plan(model) is plan
 
 
-def test_cost_curve_covers_plain_and_draft_blocks():
+def test_cost_curve_covers_plain_and_draft_blocks_and_draft_trees():
+    from sdsat.costs import TREE_EXTRAS, TREE_K
+
     sat_model = make_sat_model("adapter")
     curve = measure_curve(sat_model, widths=(1, 2, 4), drafts=3, context=16, repeats=1)
     assert set(curve.plain) == {1, 2, 4} and set(curve.draft) == {1, 2, 3}
-    assert all(s > 0 for s in [*curve.plain.values(), *curve.draft.values()])
+    assert curve.tree_k == min(TREE_K, sat_model.max_k) and set(curve.tree) == set(TREE_EXTRAS)
+    assert all(s > 0 for s in [*curve.plain.values(), *curve.draft.values(), *curve.tree.values()])
     assert curve.pass_s(3) == curve.plain[4] and curve.pass_s(8) == pytest.approx(curve.plain[4] * 2)
+    assert measure_curve(sat_model, widths=(1,), drafts=0, context=16, repeats=1, trees=False).tree == {}
 
 
 def test_engine_plans_auto_settings_from_the_shipped_trace_and_keeps_the_measurement(default_engine, tmp_path,
@@ -164,22 +168,24 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
             query.float(), key.float(), value.float(), attn_mask=causal, scale=0.125, enable_gqa=True)
         torch.testing.assert_close(out.float(), reference.transpose(1, 2), atol=2e-2 if dtype != torch.float32
                                    else 1e-5, rtol=1e-2)
-    # A draft tree over 40 cached keys: node 4 is a runner-up child of node 1, node 5 of node 2.
-    parents, cached = [-1, 0, 1, 2, 1, 2], 40
-    seen = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
-    seen[:, :cached] = True
-    for node in range(len(parents)):
-        ancestor = node
-        while ancestor >= 0:
-            seen[node, cached + ancestor], ancestor = True, parents[ancestor]
-    query = torch.randn(1, heads, len(parents), dim).to(dtype)
-    key, value = (torch.randn(1, kv_heads, seen.shape[1], dim).to(dtype) for _ in range(2))
-    out = _attend(sdsat_attention.tiled_attention, query, key, value, seen)
-    for node in range(len(parents)):
-        index = seen[node].nonzero().squeeze(-1)
-        alone = _attend(sdsat_attention.tiled_attention, query[:, :, node:node + 1], key[:, :, index],
-                        value[:, :, index], None)
-        differ += not torch.equal(out[:, node], alone[:, 0])
+    # A draft tree: nodes 4 and 6 are runner-up children of node 1, 5 and 7 of node 2 and 8 of node 4; behind
+    # caches whose runner-ups fall in one key block, in two (one batched call each), or fill one exactly.
+    parents = [-1, 0, 1, 2, 1, 2, 1, 2, 4]
+    for cached in (40, block - 3, block - len(parents)):
+        seen = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
+        seen[:, :cached] = True
+        for node in range(len(parents)):
+            ancestor = node
+            while ancestor >= 0:
+                seen[node, cached + ancestor], ancestor = True, parents[ancestor]
+        query = torch.randn(1, heads, len(parents), dim).to(dtype)
+        key, value = (torch.randn(1, kv_heads, seen.shape[1], dim).to(dtype) for _ in range(2))
+        out = _attend(sdsat_attention.tiled_attention, query, key, value, seen)
+        for node in range(len(parents)):
+            index = seen[node].nonzero().squeeze(-1)
+            alone = _attend(sdsat_attention.tiled_attention, query[:, :, node:node + 1], key[:, :, index],
+                            value[:, :, index], None)
+            differ += not torch.equal(out[:, node], alone[:, 0])
     if differ:
         sat_model = make_sat_model("adapter")
         with tuning.trying(sat_model, precision, form=tuning.INVARIANT):
@@ -207,12 +213,15 @@ def test_both_forms_soft_cap_scores_as_gemma2_does_and_a_capped_row_is_the_same_
     for attend in (sdsat_attention.tiled_attention, sdsat_attention.per_row_attention):
         out = attend(None, query, key, value, seen[None, None], 0.5, softcap=softcap)[0]
         torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
-    out = sdsat_attention.tiled_attention(None, query, key, value, seen[None, None], 0.5, softcap=softcap)[0]
-    for t in range(rows):
-        n = cached + t + 1
-        alone = sdsat_attention.tiled_attention(None, query[:, :, t:t + 1], key[:, :, :n], value[:, :, :n], None,
-                                                0.5, softcap=softcap)[0]
-        assert torch.equal(out[:, t], alone[:, 0])
+    differ = {}
+    for cap in (None, softcap):
+        out = sdsat_attention.tiled_attention(None, query, key, value, seen[None, None], 0.5, softcap=cap)[0]
+        differ[cap] = sum(not torch.equal(out[:, t], sdsat_attention.tiled_attention(
+            None, query[:, :, t:t + 1], key[:, :, :cached + t + 1], value[:, :, :cached + t + 1], None, 0.5,
+            softcap=cap)[0][:, 0]) for t in range(rows))
+    if differ[None]:  # the kernels are not row-invariant here (see the test above): nothing to compare with
+        pytest.skip(f"tiled attention is not row-invariant on this CPU's kernels ({differ[None]} rows differ)")
+    assert differ[softcap] == 0
 
 
 @INVARIANT_HERE
