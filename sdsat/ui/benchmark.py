@@ -32,9 +32,9 @@ FASTEST = "speed-up vs fastest vanilla (median)"  # suites that ran vanilla in e
 
 # folder (relative to assets/bench) -> (file-name prefix, title); the current suites first
 OLDER = " (older: float32 vanilla, before auto)"
-SUITES = {"auto-tiled-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15, auto against the fastest vanilla"),
-          "auto-tiled-humaneval-16-35": ("auto-humaneval-16-35",
-                                         "HumanEval 16–35 (held out), auto against the fastest vanilla"),
+SUITES = {"trees-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15, auto against the fastest vanilla"),
+          "trees-humaneval-16-35": ("auto-humaneval-16-35",
+                                    "HumanEval 16–35 (held out), auto against the fastest vanilla"),
           "gpu-h200-float32": ("gpu-h200-float32", "HumanEval 0–7 on an NVIDIA H200 GPU, float32"),
           "humaneval-164": ("humaneval-164", "HumanEval, all 164 problems" + OLDER),
           "": ("humaneval-16", "HumanEval problems 0–15, every method" + OLDER),
@@ -46,7 +46,7 @@ SUITES = {"auto-tiled-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15
 CHART_METHODS = {"prompt_lookup k=10": "prompt lookup (transformers, 10 tokens)",
                  "sdsat_greedy k=3": "SDSAT, the paper's two-step (k=3)",
                  "sdsat_greedy k=3 +tree": "SDSAT + draft tree (k=3)",
-                 "sdsat_greedy k=3 +lookup+tree": "SDSAT + prompt lookup + draft tree (k=3): fastest fixed",
+                 "sdsat_greedy k=3 +lookup+tree": "SDSAT + prompt lookup + draft tree (k=3)",
                  "sdsat_greedy auto": "SDSAT auto (settings measured for the machine)"}
 CHART_COLOURS = ["#94a3b8", "#a78bfa", "#34d399", "#7c3aed", "#f59e0b"]
 
