@@ -167,7 +167,7 @@ cpu() {  # call 3 in place of gpu: the CPU suites on the host CPU (or here with 
         mapfile -t own < <(lscpu -p=CPU,CORE | grep -v '^#' | sort -t, -k2,2n -u | cut -d, -f1)
         cores=("${own[0]},${own[1]}" "${own[2]},${own[3]}")
     fi
-    local i pids=()
+    local i pids=() codes=()
     for i in 0 1; do
         local name=amx-humaneval-${suites[$i]} cache=/tmp/sdsat-cache-$i
         rm -rf "$cache"  # measured afresh on these cores
@@ -177,9 +177,12 @@ cpu() {  # call 3 in place of gpu: the CPU suites on the host CPU (or here with 
             --methods vanilla prompt_lookup sdsat_greedy --threads 2 --no-pass-at-1 --out-dir "$res/$name" \
             --no-figures --quiet > "$res/$name.log" 2>&1 &
         pids+=($!)
-        [ -n "${SDSAT_DRY:-}" ] && wait "${pids[-1]}"
+        if [ -n "${SDSAT_DRY:-}" ]; then wait "${pids[-1]}"; codes[$i]=$?; fi
     done
-    for i in 0 1; do wait "${pids[$i]}"; echo "== suite $i: exit $? at $SECONDS s" | tee -a "$res/log.txt"; done
+    for i in 0 1; do
+        [ -n "${codes[$i]:-}" ] || { wait "${pids[$i]}"; codes[$i]=$?; }
+        echo "== suite $i: exit ${codes[$i]} at $SECONDS s" | tee -a "$res/log.txt"
+    done
     for i in 0 1; do
         for f in tuning cpu_kernels; do cp /tmp/sdsat-cache-$i/$f.json "$res/$f-$i.json" 2>/dev/null; done
     done
