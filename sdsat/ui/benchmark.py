@@ -33,7 +33,7 @@ FASTEST = "speed-up vs fastest vanilla (median)"  # suites that ran vanilla in e
 # folder (relative to assets/bench) -> (file-name prefix, title); the current suites first
 OLDER = " (older: float32 vanilla, before auto)"
 SUITES = {"trees-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15, auto against the fastest vanilla"),
-          "trees-humaneval-16-35": ("auto-humaneval-16-35",
+          "final-humaneval-16-35": ("auto-humaneval-16-35",
                                     "HumanEval 16–35 (held out), auto against the fastest vanilla"),
           "gpu-h200-float32": ("gpu-h200-float32", "HumanEval 0–7 on an NVIDIA H200 GPU, float32"),
           "humaneval-164": ("humaneval-164", "HumanEval, all 164 problems" + OLDER),
