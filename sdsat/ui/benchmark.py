@@ -202,12 +202,14 @@ def speedup_figure(suites: list[Suite]):
     top = max([v for trace in figure.data for v in trace.x] + [1.0])
     figure.add_vline(x=1.0, line_dash="dash", line_color="#475569")
     figure.update_layout(
-        title=dict(text="Speed-up against vanilla", x=0.01, font=dict(size=15)),
+        # The title sits on the plot, below the top strip where plotly's toolbar appears (over it on a phone).
+        title=dict(text="Speed-up against vanilla", x=0.01, y=1, yref="paper", yanchor="bottom", pad=dict(b=8),
+                   font=dict(size=15)),
         barmode="group", bargap=0.25, height=560, template="plotly_white",
         xaxis=dict(title="× vanilla tokens/s (median over prompts; the fastest vanilla where several ran)",
                    range=[0, 1.15 * top]),
         yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=labels),
-        margin=dict(l=10, r=10, t=40, b=10),
+        margin=dict(l=10, r=10, t=64, b=10),
         legend=dict(orientation="h", yanchor="top", y=-0.12, x=0, traceorder="normal"))
     return figure
 
