@@ -127,6 +127,7 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
     out, ranks, total = trace.output_ids, trace.ranks, len(trace.output_ids)
     k, lookup = settings.k, settings.lookup_tokens
     tree = DraftTree.for_k(k, settings.tree_candidates)
+    verify_s = curve.tree_s(k, settings.tree_candidates)  # the same for every verify pass of the replay
     n = passes = 0
     seconds = 0.0
 
@@ -167,7 +168,7 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
             seconds += curve.pass_s(1 + width)
             n += right + 1
         else:
-            seconds += curve.tree_s(k, settings.tree_candidates)
+            seconds += verify_s
             n += _accepted(tree, ranks[n - 1][:k]) + 1
         passes += 1
     return total, passes, seconds

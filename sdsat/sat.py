@@ -177,7 +177,9 @@ class SatAdapter(nn.Module):
             with self._lock:
                 self._passes -= 1
                 if not self._passes:
-                    self._remove_handles()
+                    for handle in self._handles:
+                        handle.remove()
+                    self._handles = []
 
     def input_embeddings(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, T) SAT slots -> (B, T, H) what the SAT rows feed into the first layer."""
@@ -203,11 +205,6 @@ class SatAdapter(nn.Module):
             self._hooks.clear()
         self._last_input = None
         self._scaled_b.clear()
-
-    def _remove_handles(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _make_hook(self, key: str):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
