@@ -140,12 +140,13 @@ def _groups(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
     return groups
 
 
-def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_file: Path | None = None) -> KernelPlan:
+def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_file: Path | None = None,
+         measure: bool = True) -> KernelPlan | None:
     """Time every variant for each weight shape and row count on `model`'s float32 or bfloat16 CPU weights.
 
     Timing every shape at every row count takes seconds, too long to repeat at each start, so the plan
     is kept for the process and, with `cache_file`, on disk under a key of the machine, torch, thread
-    count and layer shapes.
+    count and layer shapes. With `measure` False, only a kept plan is returned (None when there is none).
     """
     groups = _groups(model)
     dtypes = sorted({str(m.weight.dtype) for mods in groups.values() for m in mods})
@@ -160,6 +161,9 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
             _PLANS[key] = KernelPlan(choices)
             return _PLANS[key]
         _set_aside(cache_file, "its plan for this machine and model has bad entries")
+    if not measure:
+        return None
+    log.info("measuring the CPU kernels of %d weight shapes (once per machine)", len(groups))
     start = timing.now()
     plan = KernelPlan()
     total = sum(m.weight.numel() * m.weight.element_size() for mods in groups.values() for m in mods)

@@ -32,6 +32,9 @@ class LoadConfig:
     quantization: str | None = None  # None, "4bit" or "8bit" (bitsandbytes, CUDA only)
     trust_remote_code: bool = False  # only an operator may turn this on
     cpu_kernels: bool = True  # on a CPU, route small-batch products to the fastest measured kernel (cpu_kernels.py)
+    # with cpu_kernels: measure the routing at load when none is kept for this machine (seconds to minutes);
+    # False: route with a kept plan only, else load with plain products (the app and CLI measure later, or never)
+    measure_kernels: bool = True
 
 
 class ModelLoadError(ValueError):
@@ -88,9 +91,10 @@ def load_model(config: LoadConfig | None = None):
     if config.cpu_kernels and device.type == "cpu":
         from . import cpu_kernels
 
-        plan = cpu_kernels.tune(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE)
-        log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan),
-                 plan.seconds)
+        plan = cpu_kernels.tune(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE, measure=config.measure_kernels)
+        if plan is not None:
+            log.info("CPU kernels: %d linear layers routed (tuned in %.1f s)", cpu_kernels.install(model, plan),
+                     plan.seconds)
     return model, tokenizer
 
 

@@ -25,6 +25,9 @@ from .tree import MAX_EXTRA, DraftTree
 
 TRACE_FILE = "acceptance.json"
 LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turns lookup on
+# auto without a plan (SATs without an acceptance trace, a machine not measured yet): the settings measured
+# fastest on the AMD EPYC of docs/results.md; sampling drops the tree, which is greedy only
+FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
 LOOKUP_NGRAM = 2
 MARGIN = 0.03  # predicted speed-ups this close count as a tie (see `choose`)
 MISSED = 9  # a rank of this or above: the true token was not among the SAT's top choices kept

@@ -18,8 +18,9 @@ float32): greedy output then equals vanilla's except at a near-tie within that r
 run reports whether it did. A form whose rows move by tenths of a logit (bfloat16 with batched
 attention) is never used for SDSAT; its vanilla still counts as the baseline when it is faster.
 
-Curves and row checks take seconds; they are kept in `~/.cache/sdsat/tuning.json` under a key of the
-machine, torch, thread count and model, so a restart reads them.
+Curves and row checks take seconds to a minute; they are kept in `~/.cache/sdsat/tuning.json` under a key
+of the machine, torch, thread count and model, so a restart reads them, also those measured under load
+(marked noisy, and measured again when the app finds the machine quiet, or on `python -m sdsat tune --force`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import transformers
@@ -62,6 +65,7 @@ class Tuning:
     note: str = ""
     trace: Trace | None = field(default=None, repr=False)
     max_k: int = 0
+    noisy: dict[str, bool] = field(default_factory=dict)  # by precision: measured while the cores were busy
 
     def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True) -> Plan | None:
         """The plan among `schemes` only (the page has no fused control), in the precision the model is in."""
@@ -104,7 +108,8 @@ class Tuning:
                 "rows": {p: r.to_dict() for p, r in self.rows.items()}, "usable": self.usable,
                 "vanilla_seconds_per_token": self.vanilla_s,
                 "baseline": {"decoding": self.baseline[0], "seconds_per_token": self.baseline[1]},
-                "plan": self.plan.to_dict() if self.plan else None, "note": self.note}
+                "plan": self.plan.to_dict() if self.plan else None, "note": self.note,
+                "measured_under_load": sorted(p for p, noisy in self.noisy.items() if noisy)}
 
 
 def dtype_name(model: torch.nn.Module) -> str:
@@ -132,6 +137,16 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
         cpu_kernels.install(model, cpu_kernels.tune(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE))
+
+
+def fallback_form(sat_model, kernels: bool = True) -> str:
+    """Put the model, in its loaded precision, in the form it decodes in until a tuning exists, measuring
+    nothing: the row-invariant form where this torch has its kernels (greedy SDSAT then matches vanilla
+    without waiting for a row check), else as loaded. Returns the form."""
+    precision = dtype_name(sat_model.model)
+    if _invariant_forms(sat_model, precision, kernels):
+        set_precision(sat_model, precision, kernels, INVARIANT)
+    return form_of(sat_model.model)
 
 
 def _float_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -209,35 +224,132 @@ def load_trace(sat_model) -> Trace | None:
         return None
 
 
-def _measure(sat_model, precision: str, kernels: bool) -> tuple[str, CostCurve, RowCheck, dict[str, float] | None]:
-    """(form, its curve, its row check, the other forms' one-token seconds by form when SDSAT's form is exact;
-    None when one of them was timed under load)."""
+@dataclass
+class TuneProgress:
+    """Where a tuning stands: the page and the console show it while it runs."""
+
+    done: int = 0  # measurement steps finished
+    total: int = 0  # steps expected (it grows when a noisy curve is measured again)
+    label: str = ""  # what is measured now, e.g. "bfloat16 row-invariant: cost curve and row check"
+    started: float = field(default_factory=time.monotonic)
+
+    def left_s(self) -> float | None:
+        """Seconds still to go at the pace so far; None before the first step ends."""
+        if not self.done:
+            return None
+        return (time.monotonic() - self.started) / self.done * max(self.total - self.done, 0)
+
+    def line(self) -> str:
+        left = self.left_s()
+        return (f"measuring this machine: step {min(self.done + 1, self.total)} of {self.total} ({self.label})"
+                + (f", about {left:.0f} s left" if left is not None else ""))
+
+
+class _Steps:
+    """Counts measurement steps for a `TuneProgress` and tells `on_step` (which may wait there) before each."""
+
+    def __init__(self, total: int, on_step: Callable[[TuneProgress], None] | None):
+        self.state = TuneProgress(total=total)
+        self.on_step = on_step
+
+    @contextlib.contextmanager
+    def step(self, label: str):
+        self.state.label = label
+        self.state.total = max(self.state.total, self.state.done + 1)
+        log.info("%s", self.state.line())
+        if self.on_step is not None:
+            self.on_step(self.state)
+        yield
+        self.state.done += 1
+
+
+def _steps_per_precision(sat_model, precision: str, kernels: bool) -> int:
+    """Measurement steps of one precision when its first row-invariant form checks out: that form's curve and
+    row check, then the other forms' one-token passes; one step where no invariant form exists."""
+    return len(EXACT_FORMS) + 1 if _invariant_forms(sat_model, precision, kernels) else 1
+
+
+def _invariant_forms(sat_model, precision: str, kernels: bool) -> bool:
     model = sat_model.model
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     size = sum(p.numel() * p.element_size() for p in model.parameters())  # the form keeps a blocked copy
-    if on_cpu and size <= cpu_kernels.COPY_LIMIT_BYTES and cpu_kernels.invariant_available(getattr(torch, precision)):
+    return on_cpu and size <= cpu_kernels.COPY_LIMIT_BYTES and cpu_kernels.invariant_available(
+        getattr(torch, precision))
+
+
+def _measure(sat_model, precision: str, kernels: bool, steps: _Steps) -> _Measured:
+    """SDSAT's form of `precision` with its curve and row check, and the other forms' one-token seconds."""
+    if _invariant_forms(sat_model, precision, kernels):
         for form in EXACT_FORMS:
-            with trying(sat_model, precision, kernels, form), torch.inference_mode():
+            with steps.step(f"{precision} {form}: cost curve and row check"), \
+                    trying(sat_model, precision, kernels, form), torch.inference_mode():
                 curve, rows = measure_curve(sat_model), check_rows(sat_model)
             if rows.invariant:
                 others = {}
                 for other in [f for f in EXACT_FORMS if f != form] + [ROUTED]:
-                    with trying(sat_model, precision, kernels, other), torch.inference_mode():
+                    what = "kernel plan and one-token pass" if other == ROUTED else "one-token pass"
+                    with steps.step(f"{precision} {other}: {what}"), trying(sat_model, precision, kernels, other), \
+                            torch.inference_mode():
                         others[other] = measure_curve(sat_model, widths=(1,), drafts=0, trees=False)
-                noisy = any(c.noisy for c in others.values())
-                return form, curve, rows, None if noisy else {f: c.one_token_s for f, c in others.items()}
-    with trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
-        return ROUTED, measure_curve(sat_model), check_rows(sat_model), None
+                noisy = curve.noisy or any(c.noisy for c in others.values())
+                return _Measured(form, curve, rows, {f: c.one_token_s for f, c in others.items()}, noisy)
+    with steps.step(f"{precision} {ROUTED}: kernel plan, cost curve and row check"), \
+            trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
+        curve = measure_curve(sat_model)
+        return _Measured(ROUTED, curve, check_rows(sat_model), {}, curve.noisy)
+
+
+@dataclass
+class _Measured:
+    """One precision's measurement, as measured now or read back from the cache file."""
+
+    form: str  # SDSAT's form: one of EXACT_FORMS, or ROUTED
+    curve: CostCurve
+    rows: RowCheck
+    others_s: dict[str, float]  # the other forms' one-token seconds, by form
+    noisy: bool  # something else used the cores while measuring (kept all the same: see `tune`)
+
+    def rank(self) -> tuple[bool, float]:
+        """Of two runs of one precision the better: a clean one before a noisy one, then the faster."""
+        return self.noisy, self.curve.one_token_s
+
+    def to_dict(self) -> dict:
+        return {"form": self.form, "curve": self.curve.to_dict(), "others_s": self.others_s, "noisy": self.noisy,
+                "rows": {k: v for k, v in self.rows.to_dict().items() if k not in ("invariant", "close")}}
+
+    @classmethod
+    def from_dict(cls, entry) -> "_Measured | None":
+        """A measurement kept on disk, or None (none, or unreadable: measured again)."""
+        try:
+            curve = CostCurve.from_dict(entry["curve"])
+            return cls(entry["form"], curve, RowCheck(**entry["rows"]), dict(entry.get("others_s") or {}),
+                       bool(entry.get("noisy", curve.noisy)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+
+REMEASURE = ("never", "missing", "noisy", "all")
 
 
 def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = True,
-         cache_file: Path | None = None) -> Tuning:
-    """Measure every precision worth trying, plan, and leave the model in the chosen precision and form.
+         cache_file: Path | None = None, remeasure: str = "missing",
+         on_step: Callable[[TuneProgress], None] | None = None) -> Tuning | None:
+    """Measure every precision worth trying (or read it from `cache_file`), plan, and leave the model in the
+    chosen precision and form.
+
+    remeasure: which precisions are measured now rather than read from the cache file: "missing" (those with
+    nothing stored), "noisy" (those too with a measurement taken under load: the app's refresh when the machine
+    is quiet), "all" (`python -m sdsat tune --force`), or "never" (then None when anything is missing; nothing
+    is measured). A measurement taken under load is kept like a clean one, so later starts do not pay for it
+    again; only a clean one replaces it, except under "all".
+    on_step: told before each measurement step (`TuneProgress`), and may wait there (for requests to finish).
 
     Precisions are measured one after the other, so a spell of load from elsewhere (a neighbour on a shared
     host) can slow one precision's passes and not another's, and tip the choice. When a curve comes out
     noisy, every precision measured now is measured once more, in reverse order, and each keeps its better
     run (a clean one before a noisy one, then the faster)."""
+    if remeasure not in REMEASURE:
+        raise ValueError(f"remeasure must be one of {', '.join(REMEASURE)}; got {remeasure!r}")
     model = sat_model.model
     tuning = Tuning()
     stored = jsonfile.read_object(cache_file) or {}
@@ -245,43 +357,41 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
                            model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels])
             for p in precisions}
-    found = {p: _stored(stored.get(keys[p])) for p in precisions}
-    fresh = [p for p in precisions if found[p] is None]
+    kept = {p: _Measured.from_dict(stored.get(keys[p])) for p in precisions}
+    fresh = [p for p in precisions if kept[p] is None or remeasure == "all"
+             or (remeasure == "noisy" and kept[p].noisy)]
+    if fresh and remeasure == "never":
+        return None
+    found = {p: None if p in fresh else kept[p] for p in precisions}
+    steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh), on_step)
     for round_ in range(MEASURE_ROUNDS):
         for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
-            measured = _measure(sat_model, precision, kernels)
-            if found[precision] is None or _rank(measured[1]) < _rank(found[precision][1]):
+            measured = _measure(sat_model, precision, kernels, steps)
+            if found[precision] is None or measured.rank() < found[precision].rank():
                 found[precision] = measured
-        if not any(found[p][1].noisy for p in fresh):
+        if not any(found[p].noisy for p in fresh):
             break
+        if round_ + 1 < MEASURE_ROUNDS:
+            steps.state.total += sum(_steps_per_precision(sat_model, p, kernels) for p in fresh)
     for precision in precisions:
-        form, curve, rows, others = found[precision]
-        if precision in fresh and curve.noisy:
-            log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
-                        "%.1f-fold); they are used now and measured again at the next start", precision, curve.spread)
-        elif precision in fresh and (form == ROUTED or others is not None):  # noisy other forms: measured again
-            stored[keys[precision]] = {"form": form, "curve": curve.to_dict(), "others_s": others, "rows": {
-                k: v for k, v in rows.to_dict().items() if k not in ("invariant", "close")}}
-        tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = form, curve, rows
-        for other, seconds in (others or {}).items():
+        measured = found[precision]
+        if precision in fresh:
+            if measured.noisy:
+                log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
+                            "%.1f-fold); they are kept, and measured again when the machine is quiet (or by "
+                            "`python -m sdsat tune --force`)", precision, measured.curve.spread)
+            if kept[precision] is None or remeasure == "all" or not measured.noisy or (
+                    measured.rank() < kept[precision].rank()):
+                stored[keys[precision]] = measured.to_dict()
+        tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = (measured.form, measured.curve,
+                                                                                    measured.rows)
+        tuning.noisy[precision] = measured.noisy
+        for other, seconds in measured.others_s.items():
             tuning.vanilla_s[f"{precision} {other}"] = seconds
-    if cache_file is not None:
+    if cache_file is not None and fresh:
         jsonfile.write_object(cache_file, stored)
     _plan(tuning, sat_model, kernels)
     return tuning
-
-
-def _rank(curve: CostCurve) -> tuple[bool, float]:
-    """Of two runs of one precision the better: a clean one before a noisy one, then the faster."""
-    return curve.noisy, curve.one_token_s
-
-
-def _stored(entry) -> tuple[str, CostCurve, RowCheck, dict | None] | None:
-    """A measurement kept on disk, or None (none, or unreadable: measured again)."""
-    try:
-        return entry["form"], CostCurve.from_dict(entry["curve"]), RowCheck(**entry["rows"]), entry.get("others_s")
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:

@@ -13,6 +13,7 @@ fallback where no plan exists (SATs without an acceptance trace, or a machine no
 
 from __future__ import annotations
 
+from ..planner import FALLBACK
 from ..tuning import Tuning
 from .settings import SettingError
 
@@ -20,8 +21,6 @@ AUTO = "auto"
 FIXED = {  # the page's fixed presets; auto's values depend on the machine and the model
     "paper": dict(k=3, lookup_tokens=0, tree_candidates=0),
 }
-# auto without a plan: the settings measured fastest on the AMD EPYC of docs/results.md
-FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
 SCHEME_LABELS = {  # the radio's choices -> AUTO or FIXED keys
     "auto (predicted fastest on this machine)": AUTO,
     "paper (two-step SATs only)": "paper",
