@@ -6,11 +6,14 @@ engine serves every visitor of the app.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from . import ASSETS
 from .checkpoints import known_checkpoint
@@ -19,7 +22,8 @@ from .default_model import cache_dir
 from .models import DEFAULT_MODEL, LoadConfig, load_model
 from .prompts import encode_prompt, eos_ids_of
 from .sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
-from .tuning import TUNING_FILE, Tuning, tune
+from .planner import FALLBACK
+from .tuning import TUNING_FILE, TuneProgress, Tuning, fallback_form, tune
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,33 @@ class SatSource:
     max_k: int | None = None  # largest k; defaults to the spec's or adapter's own
 
 
+class Activity:
+    """How many decodes run now; a tuning behind the page measures only between them."""
+
+    def __init__(self):
+        self._running = 0
+        self._idle = threading.Condition()
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        with self._idle:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        return self._running > 0
+
+    def wait_idle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0)
+
+
 @dataclass
 class Engine:
     model: object
@@ -46,23 +77,63 @@ class Engine:
     sat_trained: bool = True  # False while the SATs are a fresh, untrained adapter
     eos_ids: list[int] = field(default_factory=list)
     load_config: LoadConfig = field(default_factory=LoadConfig)
-    tuning: Tuning | None = None  # set by `tune`
+    tuning: Tuning | None = None  # set by `tune` or `use_stored_tuning`
+    measuring: TuneProgress | None = None  # while a tuning of this machine runs behind this engine (the app)
+    activity: Activity = field(default_factory=Activity, repr=False)  # shared with the engine's twin
 
-    def tune(self) -> Tuning:
+    def tune(self, remeasure: str = "missing", on_step: Callable[[TuneProgress], None] | None = None) -> Tuning:
         """Measure this machine's pass costs per precision and plan `auto` settings (tuning.py); may move the
-        model to the precision it chose. Measured once per engine (and cached on disk per machine)."""
-        if self.tuning is None:
-            self.tuning = tune(self.sat_model, self.name, fixed_dtype=self.load_config.dtype != "auto",
-                               kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / TUNING_FILE)
+        model to the precision it chose. What is kept on disk for this machine is read, not measured again
+        (`remeasure`: see tuning.tune)."""
+        if self.tuning is None or remeasure != "missing":
+            self.tuning = self._tune(remeasure, on_step)
         return self.tuning
 
+    def use_stored_tuning(self) -> bool:
+        """Apply the tuning kept on disk for this machine, measuring nothing; without one, put the model in its
+        fallback form (tuning.fallback_form). True when a tuning was there."""
+        if self.tuning is None:
+            self.tuning = self._tune("never")
+        if self.tuning is None:
+            fallback_form(self.sat_model, self.load_config.cpu_kernels)
+        return self.tuning is not None
+
+    def _tune(self, remeasure: str, on_step=None) -> Tuning | None:
+        return tune(self.sat_model, self.name, fixed_dtype=self.load_config.dtype != "auto",
+                    kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / TUNING_FILE, remeasure=remeasure,
+                    on_step=on_step)
+
+    @property
+    def can_twin(self) -> bool:
+        """Whether a second copy of the model may be loaded to measure beside this one (a small model)."""
+        from .cpu_kernels import COPY_LIMIT_BYTES
+
+        size = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.load_config.quantization is None and size <= COPY_LIMIT_BYTES
+
+    def twin(self) -> "Engine":
+        """A second engine with its own copy of the model and the same SATs, sharing this one's activity:
+        a tuning converts its model in place while this one keeps serving untouched."""
+        model, tokenizer = load_model(self.load_config)
+        adapter = self.sat_model.adapter.copy() if self.sat_model.adapter is not None else None
+        sat_model = SatModel(model, copy.copy(self.sat_model.spec), adapter)
+        return dataclasses.replace(self, model=model, tokenizer=tokenizer, sat_model=sat_model, tuning=None,
+                                   measuring=None)
+
     def auto_config(self, config: DecodeConfig, explicit: set[str] = frozenset()) -> DecodeConfig:
-        """`config` with the planned scheme, k, lookup and tree, except the fields named in `explicit`."""
-        tuning = self.tune()
-        plan = tuning.plan if not config.sampling.do_sample else tuning.plan_for(SCHEMES, greedy=False)
+        """`config` with the planned scheme, k, lookup and tree, except the fields named in `explicit`; without a
+        plan (no tuning yet, or SATs without an acceptance trace), two-step with planner.FALLBACK's settings.
+        Measures nothing: call `tune` or `use_stored_tuning` first."""
+        tuning = self.tuning
+        plan = None
+        if tuning is not None:
+            plan = tuning.plan if not config.sampling.do_sample else tuning.plan_for(SCHEMES, greedy=False)
         if plan is None:
-            return config
-        chosen = {name: value for name, value in vars(plan.settings).items() if name not in explicit}
+            settings = dict(FALLBACK, scheme="two_step",
+                            tree_candidates=0 if config.sampling.do_sample else FALLBACK["tree_candidates"])
+        else:
+            settings = vars(plan.settings)
+        chosen = {name: value for name, value in settings.items() if name not in explicit}
         chosen["k"] = min(chosen.get("k", config.k), self.max_k)
         if any(getattr(config, name) for name in ("lookup_tokens", "tree_candidates") if name in explicit):
             chosen["scheme"] = "two_step"  # the caller asked for lookup or a tree, which only two_step has
@@ -95,8 +166,12 @@ class Engine:
         return encode_prompt(self.tokenizer, prompt, chat=chat, allow_special=allow_special)
 
     def stream(self, prompt_ids: list[int], config: DecodeConfig, should_stop=None) -> Iterator[Event]:
-        """Step records as they happen, then the result (see `decoding.decode`)."""
-        return decode(self.sat_model, self.tokenizer, prompt_ids, config, self.eos_ids, should_stop)
+        """Step records as they happen, then the result (see `decoding.decode`, which checks the request now)."""
+        return self._counted(decode(self.sat_model, self.tokenizer, prompt_ids, config, self.eos_ids, should_stop))
+
+    def _counted(self, events: Iterator[Event]) -> Iterator[Event]:
+        with self.activity.decoding():
+            yield from events
 
     def generate(self, prompt: str, config: DecodeConfig, chat: bool = False) -> GenerationResult:
         return collect(self.stream(self.encode(prompt, chat), config))

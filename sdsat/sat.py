@@ -145,6 +145,17 @@ class SatAdapter(nn.Module):
                 adapter.lora_b[key] = nn.Parameter(torch.zeros(config.rank, linear.out_features))
         return adapter
 
+    def copy(self) -> "SatAdapter":
+        """A detached copy with the same weights (to attach to another copy of the model)."""
+        twin = SatAdapter(self.config)
+        with torch.no_grad():
+            twin.embeddings = nn.Parameter(self.embeddings.detach().clone())
+            twin.base_embedding.copy_(self.base_embedding)
+            for key in self.lora_a:
+                twin.lora_a[key] = nn.Parameter(self.lora_a[key].detach().clone())
+                twin.lora_b[key] = nn.Parameter(self.lora_b[key].detach().clone())
+        return twin
+
     def attach(self, model: nn.Module) -> None:
         """Register the SAT-row hooks on `model` and move the weights to its device and dtype."""
         check_shapes(model, self.config)
