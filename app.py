@@ -71,10 +71,14 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                 example_labels=[label for _, label in CHAT_PROMPT_EXAMPLES])
                 scheme = gr.Radio([*SCHEME_LABELS, CUSTOM], value=DEFAULT_SCHEME, label="Scheme", elem_id="scheme",
                                   info="auto: the k, prompt lookup and draft tree predicted fastest from this "
-                                       "machine's pass costs, measured at start (see This machine, under the plots). "
+                                       "machine's pass costs, measured once, behind the page (see This machine, under "
+                                       "the plots). "
                                        "paper: the paper's two-step SATs alone. Both give output identical to vanilla.")
                 # what auto chose here and why, or why it keeps its defaults (filled once the model has loaded)
                 auto_note = gr.HTML("", js_on_load=None, elem_id="auto-note")
+                # While this machine is measured behind the page: the note and This machine follow the measurement,
+                # and auto's sliders take the plan when it is ready (Page.plan_watch stops the timer then).
+                plan_timer = gr.Timer(1.0, active=True)
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
@@ -252,6 +256,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     chatbot.clear(chat_page.clear, None, [chatbot, turns], cancels=chat_events,
                   api_visibility="private")  # the Chatbot's own bin icon
     gr.api(chat_page.turn, api_name="chat", concurrency_limit=limits.concurrency, concurrency_id="model")
+    plan_timer.tick(page.plan_watch, [model, mode, scheme],
+                    [auto_note, machine, machine_plot, k, lookup, tree, plan_timer], api_visibility="private")
     demo.load(page.model_controls_if_loaded, [model, mode], [*(model_outputs[n] for n in MODEL_OUTPUTS), headline],
               api_visibility="private")
 
@@ -264,7 +270,8 @@ if on_zero_gpu():
     page.preload()  # ZeroGPU wants the weights on CUDA at import; nothing is decoded outside a GPU call
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     if not on_zero_gpu():
         page.preload()  # load and warm up the default model before the first visitor
     demo.launch(**LAUNCH_OPTIONS)

@@ -32,6 +32,16 @@ def cpu_name() -> str:
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
+def machine_is_quiet(per_core: float = 0.25) -> bool:
+    """Whether the cores are free to measure on: a one-minute load average under `per_core` per core (on a
+    shared host that reports the host's load, it may never be)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not reported here
+        return True
+    return load < per_core * (os.cpu_count() or 1)
+
+
 def cpu_flags() -> list[str]:
     """Of KERNEL_FLAGS, those this processor has."""
     flags = set(_cpuinfo().get("flags", "").split())

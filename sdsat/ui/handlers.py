@@ -122,7 +122,7 @@ class Page:
     def machine(self, engine: Engine) -> MachineView:
         """The This machine panel of `engine`, built once per measurement."""
         built = self._views.get(engine.name)
-        if built is None or built[0] is not engine.tuning:
+        if built is None or built[0] is not engine.tuning or engine.measuring is not None:
             built = self._views[engine.name] = (engine.tuning, machine_view(engine))
         return built[1]
 
@@ -161,7 +161,8 @@ class Page:
         view = self.machine(engine)
         return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=chosen["k"]),
                 gr.update(value=chosen["lookup_tokens"]), gr.update(value=chosen["tree_candidates"]),
-                gr.update(value=DEFAULT_SCHEME), auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling")),
+                gr.update(value=DEFAULT_SCHEME),
+                auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring)),
                 gr.update(visible=chat, value=False), gr.update(visible=chat), view.html, view.figure)
 
     @visitor_errors
@@ -174,6 +175,25 @@ class Page:
         note = (gr.update(value=f'<div class="check bad">The model could not be loaded: {esc(without_paths(failure))}. '
                                 'The next race tries again.</div>') if failure else gr.skip())
         return (*[gr.skip()] * len(MODEL_OUTPUTS), note)
+
+    @visitor_errors
+    def plan_watch(self, model: str, mode: str = "greedy", scheme: str = DEFAULT_SCHEME) -> tuple:
+        """The page's timer, while this machine is measured behind it: the auto note and the This machine panel
+        as they stand, then, once the plan is ready, auto's sliders (when auto is picked) and the timer stopped.
+        Outputs: (auto_note, machine, machine_plot, k, lookup_tokens, tree_candidates, timer). Never loads a
+        model nor waits for one."""
+        skip = gr.skip()
+        if not self.cache.is_loaded(model):
+            return (skip,) * 6 + (gr.Timer(active=self.cache.failure(model) is None),)
+        engine = self.cache.get(model)
+        chosen = auto_settings(engine.tuning, mode != "sampling", engine.max_k)
+        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring))
+        view = self.machine(engine)
+        if engine.measuring is not None:
+            return note, view.html, skip, skip, skip, skip, gr.Timer(active=True)
+        sliders = ((chosen["k"], chosen["lookup_tokens"], chosen["tree_candidates"])
+                   if SCHEME_LABELS.get(scheme) == AUTO else (skip,) * 3)
+        return note, view.html, view.figure, *sliders, gr.Timer(active=False)
 
     @visitor_errors
     def scheme_controls(self, scheme: str, model: str, mode: str) -> tuple:
@@ -230,6 +250,7 @@ class Page:
                                        "a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
         engine, request, prompt_ids = self.prepare(inputs)
+        measuring = engine.measuring.line() if engine.measuring is not None else None
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
         cancel = threading.Event()
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -242,7 +263,7 @@ class Page:
                     yield (progress_html(snap), vanilla_html(snap.steps["vanilla"], snap.pieces["vanilla"], special),
                            sdsat_pane, *[skip] * (len(RACE_OUTPUTS) - 3))
                     continue
-                record = make_record(engine, request, prompt_ids, snap)
+                record = make_record(engine, request, prompt_ids, snap, measuring)
                 yield self.view(record, show_rejected)
         finally:
             cancel.set()  # Stop or a closed page: the decoder stops at its next iteration
@@ -316,6 +337,7 @@ class Page:
         """`generate` in the calling thread, its inputs by name (REQUEST_INPUTS); setting `cancel` stops it
         between two iterations."""
         engine, request, prompt_ids = self.prepare({**inputs, "model": inputs["model"] or self.limits.models[0]})
+        measuring = engine.measuring.line() if engine.measuring is not None else None
         cancel = cancel or threading.Event()
         snap = None
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -327,7 +349,7 @@ class Page:
             snaps.close()
         if snap is None or snap.phase != "done":  # cancelled: the race stopped before its SDSAT phase
             raise gr.Error("The request was cancelled before both decoders ran.", title="Cancelled")
-        return make_record(engine, request, prompt_ids, snap).to_dict()
+        return make_record(engine, request, prompt_ids, snap, measuring).to_dict()
 
 
 def auto_note_html(line: str) -> str:

@@ -108,6 +108,10 @@ def headline_html(record: RaceRecord) -> str:
     ])
     limited = ('<div class="check info">A decoder reached the per-request time limit and was stopped early.</div>'
                if record.time_limited else "")
+    if record.measuring:
+        limited += (f'<div class="check info measuring">This race began while the page was {esc(record.measuring)}: '
+                    "auto's plan was not ready, so auto stood for its fallback settings. Both decoders ran in the "
+                    "same numerics, as loaded.</div>")
     meta = (f'<div class="meta">{sat_badge(record.sat_trained)} <span>{esc(record.model)}</span> · '
             f'<span>{esc(record.hardware)}</span> · '
             '<span>decoded one after the other (vanilla, then SDSAT), never at the same time</span></div>')

@@ -26,7 +26,7 @@ from ..decoding import GenerationResult
 from ..engine import Engine
 from ..hardware import hardware_line
 from ..planner import Settings, predict
-from ..tuning import INVARIANT, PER_ROW, ROUTED, Tuning, dtype_name, form_of
+from ..tuning import INVARIANT, PER_ROW, ROUTED, TuneProgress, Tuning, dtype_name, form_of
 from . import figures
 from .presets import auto_settings
 from .render import esc
@@ -75,8 +75,16 @@ def row_verdict(check: RowCheck, usable: bool) -> str:
     return f"vanilla only, not SDSAT: {why}"
 
 
-def auto_line(tuning: Tuning | None, chosen: dict, greedy: bool = True) -> str:
+def measuring_line(progress: TuneProgress, chosen: dict) -> str:
+    """While the machine is measured behind the page: where it stands, and what races use until then."""
+    return (f"auto: {progress.line()}. Until the plan is ready, races use the fallback settings "
+            f"({fallback_text(chosen)}); this note and This machine fill in when it is.")
+
+
+def auto_line(tuning: Tuning | None, chosen: dict, greedy: bool = True, measuring: TuneProgress | None = None) -> str:
     """One line on what auto chose here and why (the plan's reason, or why there is no plan)."""
+    if measuring is not None and tuning is None:
+        return measuring_line(measuring, chosen)
     if tuning is None:
         return not_measured(chosen)
     plan = tuning.plan_for(("two_step",), greedy)
@@ -93,6 +101,9 @@ def machine_view(engine: Engine) -> MachineView:
     if on_zero_gpu():  # naming the GPU would start CUDA outside a GPU call
         return MachineView(_lines_html([not_measured(chosen)]), figures.empty_figure("Not measured on ZeroGPU"))
     lines = [hardware_line(engine.model)]
+    if tuning is None and engine.measuring is not None:
+        lines.append(measuring_line(engine.measuring, chosen))
+        return MachineView(_lines_html(lines), figures.empty_figure("Measuring this machine…"))
     if tuning is None or not tuning.curves:
         lines.append(not_measured(chosen))
         return MachineView(_lines_html(lines), figures.empty_figure("Not measured"))
@@ -108,6 +119,10 @@ def machine_view(engine: Engine) -> MachineView:
                      + (" (the fastest vanilla here)" if name == fastest else "")
                      + f" · vanilla only ({OTHER_FORMS.get(name.partition(' ')[2], 'another form')}; SDSAT decodes "
                        f"in {names.get(name.partition(' ')[0], 'another form')})")
+    noisy = sorted(p for p, flag in tuning.noisy.items() if flag)
+    if noisy:
+        lines.append(f"{', '.join(noisy)}: measured while something else used the cores; kept, and measured again "
+                     "when the machine is quiet")
     lines.append(auto_line(tuning, chosen))
     figure = figures.cost_figure(tuning.curves, names, tuning.usable, dtype_name(engine.model), chosen)
     return MachineView(_lines_html(lines), figure)

@@ -52,6 +52,7 @@ class RaceRecord:
     hardware: str
     time_limited: bool  # a decoder hit the per-request wall-time limit
     costs: RaceCosts | None = None  # predicted and implied speed-ups (machine.py); None where nothing was measured
+    measuring: str | None = None  # where the machine's measurement stood when the race began (auto's fallback then)
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +81,7 @@ class RaceRecord:
             "sdsat": self.sdsat.summary() | {"text": self.sdsat.text, "token_ids": self.sdsat.token_ids},
             "speedup": self.speedup,
             "identical": (same if self.greedy else None), "compared_tokens": compared,
+            "measuring": self.measuring,
         } | (self.costs.to_dict() if self.costs is not None else NO_COSTS)
 
 
@@ -175,8 +177,10 @@ def _drain(engine: Engine, prompt_ids, config, should_stop, events: queue.Queue)
         events.put(_DONE)
 
 
-def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap: RaceSnapshot) -> RaceRecord:
-    """Freeze a finished race into what the page keeps: results, token texts, explorer vocabulary."""
+def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap: RaceSnapshot,
+                measuring: str | None = None) -> RaceRecord:
+    """Freeze a finished race into what the page keeps: results, token texts, explorer vocabulary; `measuring`
+    is the tuning's progress line when the race began behind one."""
     vanilla, sdsat = snap.results["vanilla"], snap.results["sdsat"]
     ids = set(prompt_ids[-12:]) | set(sdsat.token_ids)
     for step in sdsat.steps:
@@ -189,7 +193,7 @@ def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap
         model=engine.name, sat_trained=engine.sat_trained, settings=request.settings(), prompt_ids=list(prompt_ids),
         vanilla=vanilla, sdsat=sdsat, pieces={m: list(snap.pieces[m]) for m in PHASES}, vocab=vocab,
         special_ids=special, hardware=hardware_line(engine),
-        time_limited=any(r.stop_reason == "cancelled" for r in (vanilla, sdsat)))
+        time_limited=any(r.stop_reason == "cancelled" for r in (vanilla, sdsat)), measuring=measuring)
     record.costs = race_costs(engine, request.config, sdsat, record.speedup)
     return record
 

@@ -9,10 +9,12 @@ import logging
 import threading
 import time
 
+from .. import hardware
 from ..decoding import DecodeConfig, collect
 from ..engine import Engine
 from ..errors import first_line
 from ..models import LoadConfig, ModelLoadError
+from ..tuning import TuneProgress
 from .settings import Limits, SettingError
 from .zerogpu import on_zero_gpu
 
@@ -48,8 +50,8 @@ class EngineCache:
         return str(recorded[1]) if recorded else None
 
     def get(self, name: str, warm_up: bool = True) -> Engine:
-        """The engine for `name`, loading it on first use; with `warm_up`, it also measures this machine for
-        auto (`_measure`) and runs a few tokens.
+        """The engine for `name`, loading it on first use; with `warm_up`, it also settles auto's plan for this
+        machine (`_settle`: the tuning kept on disk, else one measured behind the page) and runs a few tokens.
 
         Raises:
             SettingError: `name` is not on the operator's list.
@@ -70,11 +72,11 @@ class EngineCache:
 
     def _load(self, name: str, warm_up: bool) -> Engine:
         config = LoadConfig(model=name, device=self.limits.device, dtype=self.limits.dtype,
-                            quantization=self.limits.quantization, trust_remote_code=False)
+                            quantization=self.limits.quantization, trust_remote_code=False, measure_kernels=False)
         try:
             engine = Engine.load(config)
             if warm_up:
-                _measure(engine)
+                self._settle(engine)
                 _warm_up(engine)
         except Exception as err:  # whatever breaks a load, the server keeps serving and says why
             error = err if isinstance(err, ModelLoadError) else ModelLoadError(
@@ -93,21 +95,69 @@ class EngineCache:
 
 
 
-def _measure(engine: Engine) -> None:
-    """This machine's pass costs and auto's plan (`Engine.tune`, which may move the model to the precision it
-    chooses), once per load and before any request decodes. Not on ZeroGPU, where a GPU is attached only inside
-    a request. A failure leaves the engine unmeasured (the page then keeps its default settings and says so)."""
-    if on_zero_gpu():
-        return
-    try:
-        engine.tune()
-    except Exception as err:  # the model still decodes; only auto's plan is missing
-        log.warning("could not measure the pass costs of %s (%s: %s); auto keeps its default settings", engine.name,
-                    type(err).__name__, first_line(err), exc_info=True)
+    def _settle(self, engine: Engine) -> None:
+        """auto's plan for this machine: the tuning kept on disk (measured under load: measured again behind the
+        page once the machine is quiet), else the fallback form now and a tuning behind the page (`_tune_behind`).
+        A model too large to load twice is measured before it serves, as is every model where nothing may be
+        measured outside a request (ZeroGPU: not measured at all)."""
+        if on_zero_gpu():
+            return
+        try:
+            if engine.use_stored_tuning():
+                if any(engine.tuning.noisy.values()) and engine.can_twin and self.limits.quiet_wait_s > 0:
+                    self._tune_behind(engine, "noisy", when_quiet=True)
+            elif engine.can_twin:
+                self._tune_behind(engine, "missing")
+            else:
+                engine.tune()
+        except Exception as err:  # the model still decodes; only auto's plan is missing
+            log.warning("could not measure the pass costs of %s (%s: %s); auto keeps its default settings",
+                        engine.name, type(err).__name__, first_line(err), exc_info=True)
+
+    def _tune_behind(self, engine: Engine, remeasure: str, when_quiet: bool = False) -> None:
+        """Measure this machine in a background thread, on a second copy of the model, between requests; then
+        that copy, tuned and warmed up, replaces `engine` in the cache. A request that already holds `engine`
+        (a race under way) finishes on it, with the settings it started with."""
+        if not when_quiet:
+            engine.measuring = TuneProgress(label="loading a second copy of the model to measure")
+
+        def between_requests(state: TuneProgress) -> None:
+            engine.measuring = state
+            engine.activity.wait_idle()
+
+        def job() -> None:
+            try:
+                if when_quiet and not _wait_quiet(engine, self.limits.quiet_wait_s):
+                    log.info("the machine stayed busy: the measurement taken under load stays in use")
+                    return
+                twin = engine.twin()
+                twin.tune(remeasure, on_step=between_requests)
+                _warm_up(twin)
+                self._engines[engine.name] = twin
+                log.info("auto: %s", twin.tuning.plan.reason if twin.tuning.plan else twin.tuning.note)
+            except Exception as err:  # the engine serving now keeps its fallback settings
+                log.warning("could not measure the pass costs of %s (%s: %s); auto keeps its fallback settings",
+                            engine.name, type(err).__name__, first_line(err), exc_info=True)
+            finally:
+                engine.measuring = None
+
+        threading.Thread(target=job, name=f"sdsat-tuning-{engine.name}", daemon=True).start()
+
+
+def _wait_quiet(engine: Engine, limit_s: float, every_s: float = 10.0) -> bool:
+    """Wait (at most `limit_s`) until the machine is quiet: no request of ours decoding, and a load average
+    that leaves the cores free. True when it is."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if not engine.activity.busy and hardware.machine_is_quiet():
+            return True
+        time.sleep(every_s)
+    return False
 
 
 def _warm_up(engine: Engine) -> None:
     """A few tokens of each decoder, so the first visitor's race does not time allocator warm-up."""
+    log.info("warming up %s: 6 tokens of each decoder", engine.name)
     ids = engine.encode("def add(a, b):")
     for method in ("vanilla", "sdsat"):
         collect(engine.stream(ids, DecodeConfig(method=method, k=min(4, engine.max_k), max_new_tokens=6)))

@@ -49,6 +49,8 @@ class Limits:
     quantization: str | None = None  # SDSAT_QUANTIZATION: none, 4bit or 8bit (bitsandbytes, CUDA only)
     load_retry_s: float = 10.0  # SDSAT_LOAD_RETRY_S: after a failed model load, requests get its reason at once
     # for this long; the first one after it tries again
+    quiet_wait_s: float = 3600.0  # SDSAT_QUIET_WAIT_S: how long a tuning kept from a busy spell waits for a quiet
+    # machine to be measured again behind the page (0: never measured again by the app)
 
     @property
     def gpu_duration_s(self) -> int:
@@ -71,6 +73,7 @@ class Limits:
             ("SDSAT_CONCURRENCY", "concurrency", int, 1),
             ("SDSAT_QUEUE_SIZE", "queue_size", int, 1),
             ("SDSAT_LOAD_RETRY_S", "load_retry_s", float, 0),
+            ("SDSAT_QUIET_WAIT_S", "quiet_wait_s", float, 0),
             ("SDSAT_STATE_TTL", "state_ttl_s", float, 1),
             ("SDSAT_MAX_SESSIONS", "max_sessions", int, 1),
         ):
