@@ -1,4 +1,5 @@
-"""`python -m sdsat generate`: one generation from the command line, with its statistics.
+"""`python -m sdsat generate`: one generation from the command line, with its statistics;
+`python -m sdsat tune`: measure this machine for auto, once.
 
 Decoding is greedy unless --sample or --temperature is given. Without --json the text streams to
 stdout as it is decoded, followed by the statistics; with --json stdout holds exactly one JSON
@@ -23,6 +24,8 @@ import types
 from dataclasses import asdict, replace
 from typing import Callable, TextIO
 
+log = logging.getLogger("sdsat.cli")
+
 EXIT_BAD_SETTINGS = 2  # as argparse and `python -m sdsat.bench` use for bad arguments
 EXIT_INTERRUPTED = 130
 
@@ -36,7 +39,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .decoding import MAX_TREE_CANDIDATES, METHODS, SCHEMES, DecodeConfig
-    from .models import DEFAULT_MODEL
 
     parser = _Parser(prog="python -m sdsat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -78,7 +80,29 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int, metavar="N", help="keep the N most likely tokens (default 0: all)")
     sampling.add_argument("--seed", type=int, metavar="N",
                           help="seed of the sampler, for repeatable samples (default: a fresh seed per run)")
-    model = gen.add_argument_group("model")
+    _model_arguments(gen)
+    out = gen.add_argument_group("output")
+    out.add_argument("--json", action="store_true",
+                     help="print one JSON object instead of text and statistics (default off)")
+    out.add_argument("--verbose", action="store_true",
+                     help="show library logs and progress bars on stderr (default off)")
+    tune = commands.add_parser("tune", help="measure this machine for auto and print the cost curve and the plan",
+                               description="Measure what a forward pass costs on this machine, per precision and "
+                                           "kernel form, and print it with the plan auto takes from it. The "
+                                           "measurement is kept (~/.cache/sdsat/tuning.json) and read by every "
+                                           "later start; without --force, what is kept is shown, not measured again.")
+    tune.add_argument("--force", action="store_true",
+                      help="measure again and replace what is kept, also a clean measurement (default off)")
+    _model_arguments(tune)
+    tune.add_argument("--json", action="store_true", help="print the tuning as one JSON object (default off)")
+    tune.add_argument("--verbose", action="store_true", help="show library logs on stderr (default off)")
+    return parser
+
+
+def _model_arguments(command: argparse.ArgumentParser) -> None:
+    from .models import DEFAULT_MODEL
+
+    model = command.add_argument_group("model")
     model.add_argument("--model", default=DEFAULT_MODEL,
                        metavar="ID_OR_DIR", help=f"hub id or local folder (default: the embedded {DEFAULT_MODEL})")
     sats = model.add_mutually_exclusive_group()
@@ -102,12 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
                        "machine 1 can be much faster)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="run the model repository's own Python code, only for repositories you trust (default off)")
-    out = gen.add_argument_group("output")
-    out.add_argument("--json", action="store_true",
-                     help="print one JSON object instead of text and statistics (default off)")
-    out.add_argument("--verbose", action="store_true",
-                     help="show library logs and progress bars on stderr (default off)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +138,7 @@ def _main(argv: list[str] | None) -> int:
     out = sys.stdout
     # Whatever a library prints goes to stderr: stdout is for the result alone.
     with contextlib.redirect_stdout(sys.stderr):
-        return _generate(args, out)
+        return _tune(args, out) if args.command == "tune" else _generate(args, out)
 
 
 def guarded(entry: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
@@ -223,28 +241,24 @@ def decode_config(args: argparse.Namespace, max_k: int | None = None):
 
 def _generate(args: argparse.Namespace, out: TextIO) -> int:
     from .decoding import GenerationResult
-    from .engine import Engine, SatSource
-    from .models import LoadConfig
 
     if not args.prompt:
         raise ValueError("prompt must be a non-empty string")
     decode_config(args)  # refuse bad settings before spending seconds on loading the model
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
     held = _HeldLogs()  # load-time warnings are shown only if the request goes ahead
     with held:
-        engine = Engine.load(LoadConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                        quantization=args.quantization, trust_remote_code=args.trust_remote_code,
-                                        cpu_kernels=not args.no_cpu_kernels),
-                             SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
+        engine = _load_engine(args)
         config = decode_config(args, max_k=engine.max_k)
+        # The tuning kept for this machine (vanilla too then decodes in the precision and form SDSAT would); none
+        # is measured here: without one, the model's fallback form and auto's fallback settings.
+        measured = engine.use_stored_tuning()
         if args.scheme == "auto":
-            # Vanilla too: it then decodes in the precision and kernel form SDSAT would, token for token.
-            engine.tune()
+            if not measured:
+                from .planner import FALLBACK
+
+                log.warning("this machine has not been measured yet: auto uses its fallback settings (k = %d, "
+                            "prompt lookup %d, draft tree +%d); `python -m sdsat tune` measures it once (about a "
+                            "minute) for the fastest settings", *FALLBACK.values())
             if config.method == "sdsat":
                 given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
                 config = engine.auto_config(config, explicit={n for n, value in given.items() if value is not None})
@@ -270,6 +284,59 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
         out.write("\n" + format_stats(result, engine.sat_trained) + "\n")
     out.flush()
     return 0
+
+
+def _load_engine(args: argparse.Namespace):
+    """The engine a command's model arguments name, its CPU kernels routed only with a plan kept on disk."""
+    from .engine import Engine, SatSource
+    from .models import LoadConfig
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return Engine.load(LoadConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                  quantization=args.quantization, trust_remote_code=args.trust_remote_code,
+                                  cpu_kernels=not args.no_cpu_kernels, measure_kernels=False),
+                       SatSource(sat_ids=args.sat_ids, adapter=args.adapter))
+
+
+def _tune(args: argparse.Namespace, out: TextIO) -> int:
+    engine = _load_engine(args)
+    logging.getLogger("sdsat.tuning").setLevel(logging.INFO)  # each measurement step, with the time left
+    tuning = engine.tune(remeasure="all" if args.force else "missing")
+    out.write((json.dumps(tuning.to_dict()) if args.json else format_tuning(tuning)) + "\n")
+    out.flush()
+    return 0
+
+
+def format_tuning(tuning) -> str:
+    """The cost curve per precision (ms per pass, and as multiples of the one-token pass) and auto's plan."""
+    from .hardware import cpu_name
+
+    lines = [f"machine: {cpu_name()}, {_threads()} torch threads"]
+    for precision, curve in tuning.curves.items():
+        one = curve.one_token_s
+        widths = " ".join(f"{w}:{curve.plain[w] / one:.2f}" for w in sorted(curve.plain) if w > 1)
+        drafts = " ".join(f"{k}:{t / one:.2f}" for k, t in sorted(curve.draft.items()))
+        noisy = f" (measured under load: rounds {curve.spread:.1f}-fold apart)" if tuning.noisy.get(precision) else ""
+        lines += [f"{tuning.names[precision]}: {1e3 * one:.1f} ms per one-token pass{noisy}",
+                  f"  plain block of N tokens, x one-token pass: {widths}",
+                  f"  draft pass [t, SAT x k], x one-token pass: {drafts or '-'}",
+                  f"  rows alone vs batched: {'bit-equal' if tuning.rows[precision].invariant else 'differ'} "
+                  f"({tuning.rows[precision].rows} rows)"]
+    lines += [f"{name}: {1e3 * s:.1f} ms per one-token pass (vanilla only)" for name, s in tuning.vanilla_s.items()]
+    lines.append(f"fastest vanilla: {tuning.baseline[0]}")
+    lines.append(f"auto: {tuning.plan.reason}" if tuning.plan else f"auto: {tuning.note}")
+    return "\n".join(lines)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def format_stats(result, sat_trained: bool = True) -> str:
