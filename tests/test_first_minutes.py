@@ -1,0 +1,176 @@
+"""A newcomer's first minutes: the page is up before this machine is measured, a tuning is kept once measured
+(under load too), and the CLI never waits on a measurement.
+
+Each test starts from a cache folder holding the default model (as after the first `make demo`) and no tuning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdsat import tuning
+from sdsat.costs import measure_curve
+from sdsat.models import DEFAULT_MODEL, default_model_folder
+from sdsat.planner import FALLBACK
+from test_page import CHROMIUM, CHROMIUM_ARGS
+from test_space import free_port, wait_for_page
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder with the default model on disk and nothing measured; SDSAT_CACHE points at it."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / DEFAULT_MODEL).symlink_to(default_model_folder(), target_is_directory=True)
+    monkeypatch.setenv("SDSAT_CACHE", str(cache))
+    return cache
+
+
+def _stored(cache: Path) -> list[dict]:
+    """The measurements kept in the cache's tuning file."""
+    return list(json.loads((cache / tuning.TUNING_FILE).read_text()).values())
+
+
+def _quick_curve(spread: float):
+    """A short cost curve (no figure here depends on timings) whose rounds seem `spread`-fold apart."""
+    def measure(sat_model, **kwargs):
+        curve = measure_curve(sat_model, **(dict(widths=(1, 2, 4, 8), context=32, repeats=1) | kwargs))
+        curve.spread = spread
+        return curve
+    return measure
+
+
+def _never_measured(*args, **kwargs):
+    raise AssertionError("a cost curve was measured")
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
+def test_page_is_up_before_the_tuning_and_fills_in_when_it_ends(empty_cache, tmp_path):
+    """`python app.py` serves the page while the machine is measured behind it: the auto note says how far the
+    measurement is, a race run meanwhile uses auto's fallback and says so; then, without a reload, the plan fills
+    in the note and This machine. Order, not time, is asserted. One precision keeps the measurement short."""
+    from gradio_client import Client
+    from playwright.sync_api import expect, sync_playwright
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), SDSAT_DTYPE="float32", SDSAT_MAX_NEW_TOKENS="16",
+               HF_HUB_OFFLINE="1")
+    log = tmp_path / "app.log"
+    with open(log, "w") as out:
+        app = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_page(url, app, log, seconds=300)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                page.goto(url)
+                note = page.locator("#auto-note")
+                expect(note).to_contain_text("measuring this machine: step", timeout=60_000)
+                assert not (empty_cache / tuning.TUNING_FILE).exists()  # nothing measured is kept yet
+
+                fallback = [FALLBACK[n] for n in ("k", "lookup_tokens", "tree_candidates")]
+                client = Client(url, verbose=False)
+                data = client.predict("def add(a, b):\n", "", False, "greedy", fallback[0], 8, 1.0, 1.0, 0, 0,
+                                      *fallback[1:], api_name="/generate")
+                assert data["identical"] is True
+                assert data["measuring"].startswith("measuring this machine: step"), data["measuring"]
+
+                expect(note).to_contain_text("auto on this machine", timeout=600_000)  # no reload
+                page.get_by_text("This machine: what a forward pass costs here").click()
+                expect(page.locator("#machine")).to_contain_text("ms per one-token pass", timeout=30_000)
+            finally:
+                browser.close()
+        data = client.predict("def add(a, b):\n", "", False, "greedy", 3, 8, 1.0, 1.0, 0, 0, 0, 0,
+                              api_name="/generate")
+        assert data["measuring"] is None and data["identical"] is True and data["auto"]["plan"]["reason"]
+        assert [entry["form"] for entry in _stored(empty_cache)]  # kept for the next start
+    finally:
+        app.terminate()
+        app.wait(timeout=30)
+
+
+def test_a_tuning_measured_under_load_is_kept_and_tune_force_replaces_it(empty_cache, monkeypatch, capsys):
+    """A noisy measurement is kept and read at the next start (nothing measured again); `python -m sdsat tune
+    --force` measures again and replaces it."""
+    from sdsat import cli
+
+    monkeypatch.setattr(tuning, "measure_curve", _quick_curve(spread=3.0))
+    assert cli.main(["tune", "--dtype", "float32", "--threads", "1"]) == 0
+    assert "measured under load" in capsys.readouterr().out
+    assert [entry["noisy"] for entry in _stored(empty_cache)] == [True]
+
+    monkeypatch.setattr(tuning, "measure_curve", _never_measured)
+    assert cli.main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--dtype", "float32",
+                     "--threads", "1", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["auto"]["measured_under_load"] == ["float32"] and payload["auto"]["plan"] is not None
+
+    monkeypatch.setattr(tuning, "measure_curve", _quick_curve(spread=1.0))
+    assert cli.main(["tune", "--force", "--dtype", "float32", "--threads", "1"]) == 0
+    assert "auto" in capsys.readouterr().out
+    assert [entry["noisy"] for entry in _stored(empty_cache)] == [False]
+
+
+def test_generate_measures_nothing_without_a_tuning(empty_cache, monkeypatch, capsys, caplog):
+    """With nothing kept: `--scheme two_step` measures nothing at all, and `--scheme auto` uses the fallback
+    settings and says so on stderr, instead of measuring first."""
+    from sdsat import cli
+
+    monkeypatch.setattr(tuning, "measure_curve", _never_measured)
+    assert cli.main(["generate", "--prompt", "def add(a, b):", "--scheme", "two_step", "--max-new-tokens", "4",
+                     "--threads", "1", "--json"]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--threads", "1",
+                     "--json"]) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert "has not been measured yet" in caplog.text and "python -m sdsat tune" in caplog.text  # the CLI's stderr
+    assert {n: settings[n] for n in FALLBACK} == FALLBACK
+    assert not (empty_cache / tuning.TUNING_FILE).exists()
+    assert not (empty_cache / "cpu_kernels.json").exists()  # no kernel plan measured either
+
+
+def _shows(label: str, text: str) -> bool:
+    """Whether a greedy output shows what its example's label promises (the part after the arrow)."""
+    promise = label.rsplit("→", 1)[1].strip()
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if promise == "code" and "chat request" in label:
+        return "```python" in text and "def " in text
+    if promise == "code":  # raw code continued: code first, not a comment or a fence, with a function body
+        return not first.startswith(("#", "```")) and "return" in text
+    if promise == "HTML":
+        return "</li>" in text and not first.startswith("```")
+    if promise == "prose":
+        return "```" not in text and ". " in text
+    raise AssertionError(f"no check for the label {label!r}")
+
+
+def test_every_example_shows_its_label_in_every_precision_and_form(default_engine):
+    """Greedy output depends on the numerics, and the tuner picks them per machine: each example's label holds
+    for vanilla greedy decoding (what SDSAT reproduces) in float32 and bfloat16, in both row-invariant forms and
+    with plain products (what SDSAT decodes in where no row-invariant form runs), at the page's 64 tokens."""
+    from sdsat.decoding import DecodeConfig, collect
+    from sdsat.ui.examples import EXAMPLE_LABELS, EXAMPLES
+
+    failed = []
+    try:
+        for precision in tuning.CPU_PRECISIONS:
+            for form, kernels in ((tuning.INVARIANT, True), (tuning.PER_ROW, True), (tuning.ROUTED, False)):
+                tuning.set_precision(default_engine.sat_model, precision, kernels, form)
+                for (prompt, chat), label in zip(EXAMPLES, EXAMPLE_LABELS):
+                    text = collect(default_engine.stream(default_engine.encode(prompt, chat),
+                                                         DecodeConfig(method="vanilla", max_new_tokens=64))).text
+                    if not _shows(label, text):
+                        failed.append(f"{label} in {precision} {form if kernels else 'plain'}: {text[:80]!r}")
+    finally:
+        tuning.set_precision(default_engine.sat_model, "float32", form=tuning.ROUTED)
+    assert not failed, "\n".join(failed)
