@@ -45,6 +45,8 @@ _HELP = {
     "chat_prompts": "chat instructions answered by the base model (self-distillation)",
     "distill_tokens": "new tokens per self-distilled completion",
     "distill_batch": "completions generated at once while building the corpus",
+    "corpus": "a corpus folder built by python -m sdsat.train.corpus (its completions replace the built-in ones; "
+              "read afresh at each start, so a growing corpus is used as it stands)",
     "weights": "sampling weight per source, as JSON",
     "held_out": "sequences per source kept out of training for evaluation",
     "eval_every": "steps between held-out acceptance evaluations",

@@ -33,6 +33,7 @@ from ..sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
 from .data import (Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts,
                    self_distill, stdlib_files)
 from ..layout import SatLayout
+from .corpus import load_shards
 from .examples import sample_layout
 from .report import record_figure
 
@@ -71,6 +72,7 @@ class TrainConfig:
     chat_prompts: int = 340  # chat instructions for self-distillation
     distill_tokens: int = 192  # new tokens per self-distilled completion
     distill_batch: int = 48  # completions generated at once
+    corpus: str = ""  # a folder of `python -m sdsat.train.corpus`: its completions replace the built-in ones
     weights: dict[str, float] = field(default_factory=lambda: {"code": 0.1, "code_completions": 0.45,
                                                                "chat_completions": 0.45})
     held_out: int = 8  # sequences per source kept for evaluation
@@ -124,13 +126,21 @@ _REAL_IN = {"alpha": (0.0, 1e6), "offset_decay": (0.0, 1.0), "lr": (0.0, 10.0), 
 def build_corpus(config: TrainConfig, model, tokenizer) -> Corpus:
     """The three offline sources, as token ids (see data.py); cached in the run folder."""
     path = Path(config.out) / "corpus.json"
-    if path.is_file():
+    if path.is_file() and not config.corpus:
         return Corpus.load(path)
     rng = random.Random(config.seed)
     keep = HumanEvalFilter()
     docs = code_documents(stdlib_files(config.code_files, rng), keep)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     sources = {"code": [encode(d) for d in docs]}
+    if config.corpus:  # completions built at scale, in the background (corpus.py): nothing to distill here
+        built = load_shards(Path(config.corpus))
+        if not built:
+            raise ValueError(f"corpus {config.corpus!r} has no shards yet: build some with "
+                             "python -m sdsat.train.corpus")
+        for name, chat in (("code_completions", False), ("chat_completions", True)):
+            sources[name] = [seq["ids"] for seq in built if seq["chat"] == chat]
+        return Corpus(sources)
     prompts = function_prompts(docs, keep, config.code_prompts, rng)
     sources["code_completions"] = self_distill(model, tokenizer, prompts, False, config.distill_tokens,
                                                config.distill_batch, keep, "distilling code")

@@ -1,0 +1,122 @@
+"""The self-distillation corpus builder (sdsat/train/corpus.py) on a tiny random model with the real tokenizer."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from conftest import make_tiny_llama
+from sdsat.train import corpus
+from sdsat.train.data import HumanEvalFilter
+
+SOURCE = '''"""A module of helpers, for the test."""
+
+import math
+
+
+def circle_area(radius):
+    """Return the area of a circle with this radius, in square units of the radius."""
+    return math.pi * radius ** 2
+
+
+def has_close_elements(numbers, threshold):
+    """Check if in given list of numbers, are any two numbers closer to each other than given threshold."""
+    return False
+
+
+class Shape:
+    """A shape on the plane, with an area and a perimeter."""
+
+    def perimeter(self):
+        """The length of the shape's outline, as a float."""
+        raise NotImplementedError
+'''
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(real_tokenizer):
+    model = make_tiny_llama(vocab_size=len(real_tokenizer), hidden_size=32)
+    model.generation_config.eos_token_id = real_tokenizer.eos_token_id
+    return model
+
+
+@pytest.fixture
+def recipe(tmp_path) -> corpus.CorpusRecipe:
+    root = tmp_path / "code"
+    root.mkdir()
+    (root / "helpers.py").write_text(SOURCE)
+    return corpus.CorpusRecipe(out=str(tmp_path / "corpus"), roots=[str(root)], shard_prompts=6, batch_size=3,
+                               max_new_tokens=5)
+
+
+def test_prompts_come_from_the_files_and_keep_humaneval_and_held_out_prompts_out(recipe):
+    from sdsat.ui.examples import CHAT_EXAMPLES
+
+    held_out = {CHAT_EXAMPLES[0][0]}
+    rows = corpus.build_prompts(recipe, HumanEvalFilter(), held_out)
+    texts = [row["text"] for row in rows]
+    code = [row["text"] for row in rows if not row["chat"]]
+    assert any(t.startswith("def circle_area(radius):") for t in code)  # a signature with its docstring
+    assert any(t.startswith("class Shape:") for t in code) and any(t.startswith('"""A module') for t in code)
+    assert any("circle_area(radius)" in row["text"] for row in rows if row["chat"])  # a docstring made a request
+    assert not any("has_close_elements" in t for t in texts)  # a HumanEval entry point, in code and in chat
+    assert CHAT_EXAMPLES[0][0] not in texts
+    assert len(texts) == len(set(texts))
+
+
+def test_a_resumed_build_writes_the_same_shards_as_an_uninterrupted_one(recipe, tiny, real_tokenizer, tmp_path):
+    """Greedy and sampled batches alike: a build stopped after one shard and run again gives the files of one
+    run through (the shards' contents; each also records its own wall time)."""
+    whole = corpus.CorpusRecipe(**{**vars(recipe), "out": str(tmp_path / "whole")})
+    corpus.build(whole, shards=2, model=tiny, tokenizer=real_tokenizer, progress=False)
+    corpus.build(recipe, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    summary = corpus.build(recipe, shards=2, model=tiny, tokenizer=real_tokenizer, progress=False)
+    assert summary["shards"] == 2 and summary["generated_tokens"] > 0
+    for index in range(2):
+        a, b = (_shard(corpus.shard_path(tmp_path / name, index)) for name in ("whole", "corpus"))
+        assert a == b
+    modes = {seq["mode"] for index in range(2) for seq in _shard(corpus.shard_path(tmp_path / "whole", index))}
+    assert modes == {name for name, _, _ in corpus.MODES}  # greedy and both temperatures
+    with pytest.raises(ValueError, match="another recipe"):
+        corpus.build(corpus.CorpusRecipe(**{**vars(recipe), "max_new_tokens": 7}), shards=1, model=tiny,
+                     tokenizer=real_tokenizer, progress=False)
+
+
+def test_a_completion_drawn_in_a_batch_equals_the_same_completion_alone(tiny, real_tokenizer):
+    prompts = [real_tokenizer(text).input_ids for text in ("def f(x):", "import os\nimport sys\n\nclass A:", "x =")]
+    eos = {real_tokenizer.eos_token_id}
+    batched = corpus.generate_batch(tiny, real_tokenizer, prompts, corpus.MODES[0], 8, eos, seed=0)
+    alone = [corpus.generate_batch(tiny, real_tokenizer, [p], corpus.MODES[0], 8, eos, seed=0)[0] for p in prompts]
+    assert batched == alone and all(len(c) == 8 for c in batched)
+
+
+def test_completions_that_overlap_humaneval_are_dropped(recipe, tiny, real_tokenizer):
+    rows = [{"text": "def add(a, b):", "chat": False}, {"text": "Say hello.", "chat": True}]
+    eos = {real_tokenizer.eos_token_id}
+    kept = corpus.build_shard(tiny, real_tokenizer, recipe, 0, rows, lambda text: False, eos)["sequences"]
+    dropped = corpus.build_shard(tiny, real_tokenizer, recipe, 0, rows, lambda text: True, eos)["sequences"]
+    assert len(kept) == 2 and dropped == []
+    assert all(seq["ids"][:seq["prompt_tokens"]] != seq["ids"] for seq in kept)  # prompt plus its completion
+
+
+def _shard(path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["sequences"]
+
+
+def test_the_trainer_reads_the_built_corpus(recipe, tiny, real_tokenizer, tmp_path):
+    from sdsat.train.trainer import TrainConfig, build_corpus
+
+    corpus.build(recipe, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    config = TrainConfig(out=str(tmp_path / "run"), corpus=recipe.out, code_files=0)
+    sources = build_corpus(config, tiny, real_tokenizer).sources
+    shard = _shard(corpus.shard_path(tmp_path / "corpus", 0))
+    assert sources["code_completions"] == [s["ids"] for s in shard if not s["chat"]]
+    assert sources["chat_completions"] == [s["ids"] for s in shard if s["chat"]]
+    with pytest.raises(ValueError, match="no shards yet"):
+        build_corpus(TrainConfig(out=str(tmp_path / "run"), corpus=str(tmp_path / "empty"), code_files=0), tiny,
+                     real_tokenizer)
