@@ -141,11 +141,12 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
 
 def fallback_form(sat_model, kernels: bool = True) -> str:
     """Put the model, in its loaded precision, in the form it decodes in until a tuning exists, measuring
-    nothing: the row-invariant form where this torch has its kernels (greedy SDSAT then matches vanilla
-    without waiting for a row check), else as loaded. Returns the form."""
+    nothing: the row-invariant products with attention one row at a time where this torch has those
+    kernels (the form that needs no row check: the tiled attention is checked per machine), else as
+    loaded. Returns the form."""
     precision = dtype_name(sat_model.model)
     if _invariant_forms(sat_model, precision, kernels):
-        set_precision(sat_model, precision, kernels, INVARIANT)
+        set_precision(sat_model, precision, kernels, PER_ROW)
     return form_of(sat_model.model)
 
 
@@ -157,6 +158,16 @@ def _put_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> No
     for name, value in buffers.items():
         owner, _, attr = name.rpartition(".")
         setattr(model.get_submodule(owner), attr, value)
+
+
+def in_form(sat_model, precision: str, kernels: bool, form: str) -> bool:
+    """Whether the model already is in `precision` and `form` as `set_precision` would leave it (a CPU model
+    loaded without a kernel plan reads as routed by `form_of`, but its products are not routed yet)."""
+    model = sat_model.model
+    if (precision, form) != (dtype_name(model), form_of(model)):
+        return False
+    routable = kernels and next(model.parameters()).device.type == "cpu"
+    return form != ROUTED or not routable or cpu_kernels.installed_plan(model) is not None
 
 
 def form_of(model: torch.nn.Module) -> str:
@@ -171,8 +182,7 @@ def form_of(model: torch.nn.Module) -> str:
 def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
     """The model in `precision` and `form` for the block; afterwards as it was, bit for bit."""
     model = sat_model.model
-    before = dtype_name(model)
-    if precision == before and form == form_of(model):
+    if in_form(sat_model, precision, kernels, form):
         yield
         return
     modules = [m for m in (model, sat_model.adapter) if m is not None]
@@ -229,7 +239,7 @@ class TuneProgress:
     """Where a tuning stands: the page and the console show it while it runs."""
 
     done: int = 0  # measurement steps finished
-    total: int = 0  # steps expected (it grows when a noisy curve is measured again)
+    total: int = 0  # steps expected (it grows where a form fails its row check or a noisy curve goes again)
     label: str = ""  # what is measured now, e.g. "bfloat16 row-invariant: cost curve and row check"
     started: float = field(default_factory=time.monotonic)
 
@@ -240,6 +250,8 @@ class TuneProgress:
         return (time.monotonic() - self.started) / self.done * max(self.total - self.done, 0)
 
     def line(self) -> str:
+        if not self.total:
+            return f"measuring this machine ({self.label})"
         left = self.left_s()
         return (f"measuring this machine: step {min(self.done + 1, self.total)} of {self.total} ({self.label})"
                 + (f", about {left:.0f} s left" if left is not None else ""))
@@ -339,9 +351,10 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
 
     remeasure: which precisions are measured now rather than read from the cache file: "missing" (those with
     nothing stored), "noisy" (those too with a measurement taken under load: the app's refresh when the machine
-    is quiet), "all" (`python -m sdsat tune --force`), or "never" (then None when anything is missing; nothing
-    is measured). A measurement taken under load is kept like a clean one, so later starts do not pay for it
-    again; only a clean one replaces it, except under "all".
+    is quiet: the kept run is replaced only by a better one, clean before noisy, then faster), "all"
+    (`python -m sdsat tune --force`: replaced whatever it is), or "never" (then None when anything is missing;
+    nothing is measured). A measurement taken under load is kept like a clean one, so later starts do not
+    pay for it again.
     on_step: told before each measurement step (`TuneProgress`), and may wait there (for requests to finish).
 
     Precisions are measured one after the other, so a spell of load from elsewhere (a neighbour on a shared
@@ -362,7 +375,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
              or (remeasure == "noisy" and kept[p].noisy)]
     if fresh and remeasure == "never":
         return None
-    found = {p: None if p in fresh else kept[p] for p in precisions}
+    # "noisy": the kept run competes with the new ones; otherwise a precision measured now starts afresh
+    found = {p: kept[p] if p not in fresh or remeasure == "noisy" else None for p in precisions}
     steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh), on_step)
     for round_ in range(MEASURE_ROUNDS):
         for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
@@ -380,8 +394,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
                 log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
                             "%.1f-fold); they are kept, and measured again when the machine is quiet (or by "
                             "`python -m sdsat tune --force`)", precision, measured.curve.spread)
-            if kept[precision] is None or remeasure == "all" or not measured.noisy or (
-                    measured.rank() < kept[precision].rank()):
+            if measured is not kept[precision]:
                 stored[keys[precision]] = measured.to_dict()
         tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = (measured.form, measured.curve,
                                                                                     measured.rows)
@@ -410,6 +423,6 @@ def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:
                              baseline=tuning.baseline, names=tuning.names)
         precision = tuning.plan.dtype
         form = tuning.forms[precision]
-        if (precision, form) != (dtype_name(sat_model.model), form_of(sat_model.model)):
+        if not in_form(sat_model, precision, kernels, form):
             set_precision(sat_model, precision, kernels, form)
         log.info("auto: %s", tuning.plan.reason)

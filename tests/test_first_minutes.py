@@ -108,6 +108,8 @@ def test_a_tuning_measured_under_load_is_kept_and_tune_force_replaces_it(empty_c
     assert cli.main(["tune", "--dtype", "float32", "--threads", "1"]) == 0
     assert "measured under load" in capsys.readouterr().out
     assert [entry["noisy"] for entry in _stored(empty_cache)] == [True]
+    plans = json.loads((empty_cache / "cpu_kernels.json").read_text())  # the routed form was really routed
+    assert any("float32" in key for key in plans)
 
     monkeypatch.setattr(tuning, "measure_curve", _never_measured)
     assert cli.main(["generate", "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--dtype", "float32",
