@@ -10,6 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,11 +106,16 @@ class Engine:
 
     @property
     def can_twin(self) -> bool:
-        """Whether a second copy of the model may be loaded to measure beside this one (a small model)."""
+        """Whether a second copy of the model may be loaded to measure beside this one: a small model, whose
+        copies while measuring (the twin, its blocked products, a precision tried) fit in half the memory."""
         from .cpu_kernels import COPY_LIMIT_BYTES
 
         size = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return self.load_config.quantization is None and size <= COPY_LIMIT_BYTES
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not reported here
+            memory = 0
+        return self.load_config.quantization is None and size <= COPY_LIMIT_BYTES and 6 * size <= memory / 2
 
     def twin(self) -> "Engine":
         """A second engine with its own copy of the model and the same SATs, sharing this one's activity:

@@ -139,7 +139,7 @@ def cost_figure(curves: dict[str, CostCurve], names: dict[str, str], usable: Seq
                                  hovertemplate="%{hovertext}: %{x} tokens, %{y:.2f}× one token<extra></extra>"))
     fig.add_hline(y=1.0, line=dict(color="#94a3b8", dash="dot"))
     fig.update_yaxes(rangemode="tozero")
-    return _layout(fig, "What a forward pass costs here (measured at start)", "tokens per pass",
+    return _layout(fig, "What a forward pass costs here (as measured on this machine)", "tokens per pass",
                    "× a one-token pass", height=380)
 
 

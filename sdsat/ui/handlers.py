@@ -109,8 +109,8 @@ class Page:
         self._views: dict[str, tuple[object, MachineView]] = {}
 
     def preload(self) -> None:
-        """Load the first model before the first visitor: measure this machine's pass costs for auto
-        (`Engine.tune`, part of the cache's load), warm it up and build the This machine panel. Not on
+        """Load the first model before the first visitor: settle auto's plan (the kept tuning, else one
+        measured behind the page: `EngineCache._settle`), warm it up and build the This machine panel. Not on
         ZeroGPU, where no CUDA work may run outside a GPU call: there the model is only loaded. On a failure
         the server starts anyway: the page shows why, and a later request tries again."""
         try:
@@ -186,10 +186,14 @@ class Page:
         if not self.cache.is_loaded(model):
             return (skip,) * 6 + (gr.Timer(active=self.cache.failure(model) is None),)
         engine = self.cache.get(model)
+        measuring = engine.measuring  # read once: the tuning thread clears it right after the swap below
+        if measuring is None and self.cache.get(model) is not engine:  # the tuned engine replaced this one
+            engine = self.cache.get(model)
+            measuring = engine.measuring
         chosen = auto_settings(engine.tuning, mode != "sampling", engine.max_k)
-        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring))
+        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", measuring))
         view = self.machine(engine)
-        if engine.measuring is not None:
+        if measuring is not None:
             return note, view.html, skip, skip, skip, skip, gr.Timer(active=True)
         sliders = ((chosen["k"], chosen["lookup_tokens"], chosen["tree_candidates"])
                    if SCHEME_LABELS.get(scheme) == AUTO else (skip,) * 3)
@@ -250,7 +254,7 @@ class Page:
                                        "a model; later runs begin at once)"),
                    *[skip] * (len(RACE_OUTPUTS) - 1))
         engine, request, prompt_ids = self.prepare(inputs)
-        measuring = engine.measuring.line() if engine.measuring is not None else None
+        measuring = _measuring_line(engine)
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
         cancel = threading.Event()
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -337,7 +341,7 @@ class Page:
         """`generate` in the calling thread, its inputs by name (REQUEST_INPUTS); setting `cancel` stops it
         between two iterations."""
         engine, request, prompt_ids = self.prepare({**inputs, "model": inputs["model"] or self.limits.models[0]})
-        measuring = engine.measuring.line() if engine.measuring is not None else None
+        measuring = _measuring_line(engine)
         cancel = cancel or threading.Event()
         snap = None
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
@@ -355,6 +359,12 @@ class Page:
 def auto_note_html(line: str) -> str:
     """The line under the scheme radio: what auto chose on this machine, or why it keeps its defaults."""
     return f'<div class="auto-note muted">{esc(line)}</div>'
+
+
+def _measuring_line(engine: Engine) -> str | None:
+    """Where the machine's measurement stands, for a race beginning now; None when none runs."""
+    measuring = engine.measuring  # read once: the tuning thread may clear it at any moment
+    return measuring.line() if measuring is not None else None
 
 
 def _iterations(record: RaceRecord | None) -> int:

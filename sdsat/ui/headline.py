@@ -76,7 +76,7 @@ def costs_html(record: RaceRecord) -> str:
     if costs is None:
         return ""
     text = (f"Predicted: the planner's replay of the SATs' acceptance trace under these settings, at the pass "
-            f"costs measured here at start ({costs.decoding}, {costs.one_token_ms:.1f} ms per one-token pass). "
+            f"costs measured on this machine ({costs.decoding}, {costs.one_token_ms:.1f} ms per one-token pass). "
             f"Implied: this race's {len(record.sdsat.token_ids)} tokens ÷ what its "
             f"{record.sdsat.forward_passes} passes cost at those prices. Both against vanilla in {costs.decoding}, "
             "as the race's vanilla ran. See This machine, under the plots.")

@@ -101,8 +101,9 @@ def machine_view(engine: Engine) -> MachineView:
     if on_zero_gpu():  # naming the GPU would start CUDA outside a GPU call
         return MachineView(_lines_html([not_measured(chosen)]), figures.empty_figure("Not measured on ZeroGPU"))
     lines = [hardware_line(engine.model)]
-    if tuning is None and engine.measuring is not None:
-        lines.append(measuring_line(engine.measuring, chosen))
+    measuring = engine.measuring  # read once: the tuning thread may clear it at any moment
+    if tuning is None and measuring is not None:
+        lines.append(measuring_line(measuring, chosen))
         return MachineView(_lines_html(lines), figures.empty_figure("Measuring this machine…"))
     if tuning is None or not tuning.curves:
         lines.append(not_measured(chosen))
@@ -121,8 +122,8 @@ def machine_view(engine: Engine) -> MachineView:
                        f"in {names.get(name.partition(' ')[0], 'another form')})")
     noisy = sorted(p for p, flag in tuning.noisy.items() if flag)
     if noisy:
-        lines.append(f"{', '.join(noisy)}: measured while something else used the cores; kept, and measured again "
-                     "when the machine is quiet")
+        lines.append(f"{', '.join(noisy)}: measured while something else used the cores; kept (the page "
+                     "measures it again when the machine is quiet, `python -m sdsat tune --force` on request)")
     lines.append(auto_line(tuning, chosen))
     figure = figures.cost_figure(tuning.curves, names, tuning.usable, dtype_name(engine.model), chosen)
     return MachineView(_lines_html(lines), figure)

@@ -11,7 +11,7 @@ import time
 
 from .. import hardware
 from ..decoding import DecodeConfig, collect
-from ..engine import Engine
+from ..engine import Activity, Engine
 from ..errors import first_line
 from ..models import LoadConfig, ModelLoadError
 from ..tuning import TuneProgress
@@ -34,6 +34,7 @@ class EngineCache:
         self._engines: dict[str, Engine] = {}
         self._locks = {name: threading.Lock() for name in limits.models}
         self._failures: dict[str, tuple[float, ModelLoadError]] = {}  # name -> (when, why) of its last failed load
+        self.activity = Activity()  # the decodes of every model here: a tuning behind the page waits for all of them
 
     def add(self, engine: Engine) -> None:
         """Share an engine loaded elsewhere (tests, a start-up script); its name must be on the list."""
@@ -75,6 +76,7 @@ class EngineCache:
                             quantization=self.limits.quantization, trust_remote_code=False, measure_kernels=False)
         try:
             engine = Engine.load(config)
+            engine.activity = self.activity
             if warm_up:
                 self._settle(engine)
                 _warm_up(engine)
@@ -98,8 +100,8 @@ class EngineCache:
     def _settle(self, engine: Engine) -> None:
         """auto's plan for this machine: the tuning kept on disk (measured under load: measured again behind the
         page once the machine is quiet), else the fallback form now and a tuning behind the page (`_tune_behind`).
-        A model too large to load twice is measured before it serves, as is every model where nothing may be
-        measured outside a request (ZeroGPU: not measured at all)."""
+        A model too large to load twice is measured before it serves. On ZeroGPU, where nothing may run on
+        the GPU outside a request, the machine is not measured at all."""
         if on_zero_gpu():
             return
         try:
@@ -118,11 +120,13 @@ class EngineCache:
         """Measure this machine in a background thread, on a second copy of the model, between requests; then
         that copy, tuned and warmed up, replaces `engine` in the cache. A request that already holds `engine`
         (a race under way) finishes on it, with the settings it started with."""
-        if not when_quiet:
+        shown = engine.tuning is None  # a kept plan measured again stays in use: nothing to show meanwhile
+        if shown:
             engine.measuring = TuneProgress(label="loading a second copy of the model to measure")
 
         def between_requests(state: TuneProgress) -> None:
-            engine.measuring = state
+            if shown:
+                engine.measuring = state
             engine.activity.wait_idle()
 
         def job() -> None:
@@ -130,11 +134,14 @@ class EngineCache:
                 if when_quiet and not _wait_quiet(engine, self.limits.quiet_wait_s):
                     log.info("the machine stayed busy: the measurement taken under load stays in use")
                     return
+                engine.activity.wait_idle()
                 twin = engine.twin()
                 twin.tune(remeasure, on_step=between_requests)
+                engine.activity.wait_idle()
                 _warm_up(twin)
-                self._engines[engine.name] = twin
-                log.info("auto: %s", twin.tuning.plan.reason if twin.tuning.plan else twin.tuning.note)
+                with self._locks[engine.name]:  # unless the engine was replaced or its load failed meanwhile
+                    if self._engines.get(engine.name) is engine:
+                        self._engines[engine.name] = twin
             except Exception as err:  # the engine serving now keeps its fallback settings
                 log.warning("could not measure the pass costs of %s (%s: %s); auto keeps its fallback settings",
                             engine.name, type(err).__name__, first_line(err), exc_info=True)
