@@ -252,17 +252,13 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
         # The tuning kept for this machine (vanilla too then decodes in the precision and form SDSAT would); none
         # is measured here: without one, the model's fallback form and auto's fallback settings.
         measured = engine.use_stored_tuning()
-        if args.scheme == "auto":
+        if args.scheme == "auto" and config.method == "sdsat":
             if not measured:
-                from .planner import FALLBACK
-
-                log.warning("this machine has not been measured yet: auto uses its fallback settings (k = %d, "
-                            "prompt lookup %d, draft tree +%d); `python -m sdsat tune` measures it once (about a "
-                            "minute) for the fastest settings", *FALLBACK.values())
-            if config.method == "sdsat":
-                given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
-                config = engine.auto_config(config, explicit={n for n, value in given.items() if value is not None})
-                config.validate(max_k=engine.max_k)
+                log.warning("this machine has not been measured yet: auto uses its fallback settings; `python -m "
+                            "sdsat tune` measures it once (a minute or a few) for the fastest settings")
+            given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
+            config = engine.auto_config(config, explicit={n for n, value in given.items() if value is not None})
+            config.validate(max_k=engine.max_k)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
         events = engine.stream(prompt_ids, config)  # checks the prompt against the model's context
     held.release()

@@ -212,7 +212,8 @@ def _prepare(args) -> _Bench:
         raise _Refused(err) from None
     # The auto recipe's plan; tuning may move the model to the precision it chose, before anything is timed.
     wants_auto = AUTO in args.schemes and any(m.startswith("sdsat") for m in args.methods)
-    auto = auto_choices(engine.tune(), engine.max_k) if wants_auto else None
+    # A kept measurement taken under load is measured again: a benchmark's plan is never a busy spell's.
+    auto = auto_choices(engine.tune(remeasure="noisy"), engine.max_k) if wants_auto else None
     k_list = args.k if args.k else list(range(1, engine.max_k + 1))
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
                          temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,
