@@ -120,3 +120,15 @@ def test_the_trainer_reads_the_built_corpus(recipe, tiny, real_tokenizer, tmp_pa
     with pytest.raises(ValueError, match="no shards yet"):
         build_corpus(TrainConfig(out=str(tmp_path / "run"), corpus=str(tmp_path / "empty"), code_files=0), tiny,
                      real_tokenizer)
+
+
+def test_a_growing_corpus_never_holds_out_what_was_trained_on():
+    from sdsat.train.data import Corpus
+
+    first = [[i, i + 1, i + 2] for i in range(20)]
+    grown = first + [[i, i * 3] for i in range(100, 140)]
+    train_1, test_1 = Corpus({"code_completions": first}).split_stable(4)
+    train_2, test_2 = Corpus({"code_completions": grown}).split_stable(4)
+    assert len(test_1.sources["code_completions"]) == len(test_2.sources["code_completions"]) == 4
+    assert not [s for s in test_2.sources["code_completions"] if s in train_1.sources["code_completions"]]
+    assert sorted(train_2.sources["code_completions"] + test_2.sources["code_completions"]) == sorted(grown)

@@ -12,8 +12,9 @@ Prompts (all offline, from what the machine holds):
     function `name(args)` that ..."), answered through the model's chat template;
   * the page's own example prompts.
 Each batch is decoded greedily or sampled at one of the temperatures the page offers (`MODES`).
-HumanEval and the project's held-out prompts never enter: a prompt or completion that overlaps them is
-dropped (`HumanEvalFilter`, `held_out_texts`).
+HumanEval never enters: a prompt or completion that overlaps it is dropped (`HumanEvalFilter`: its entry
+points, its distinctive lines). Nor does any prompt of the benchmark's prompt files (`held_out_texts`:
+the prompts themselves, as written).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def python_roots() -> list[Path]:
 
 
 def python_files(roots: list[Path]) -> list[Path]:
-    """Python files under `roots`, sorted, skipping tests and vendored copies' duplicates by content."""
+    """Python files under `roots`, sorted, skipping tests and files reached twice (by their resolved path)."""
     seen, files = set(), []
     for root in roots:
         for path in sorted(root.rglob("*.py")):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import json
 import random
 import re
@@ -156,6 +157,17 @@ class Corpus:
     @classmethod
     def load(cls, path: Path) -> "Corpus":
         return cls(json.loads(path.read_text()))
+
+    def split_stable(self, held_out: int) -> tuple["Corpus", "Corpus"]:
+        """Hold out, per source, the `held_out` sequences whose token ids hash lowest. For a corpus that grows
+        between runs: a sequence can leave the held-out set (for a newer one) but never join it once trained on."""
+        train, test = {}, {}
+        for name, seqs in self.sources.items():
+            ranked = sorted(range(len(seqs)), key=lambda i: hashlib.sha256(str(seqs[i]).encode()).digest())
+            chosen = set(ranked[:held_out])
+            test[name] = [seqs[i] for i in sorted(chosen)]
+            train[name] = [s for i, s in enumerate(seqs) if i not in chosen]
+        return Corpus(train), Corpus(test)
 
     def split(self, held_out: int, rng: random.Random) -> tuple["Corpus", "Corpus"]:
         """Hold out `held_out` sequences of each source for evaluation."""

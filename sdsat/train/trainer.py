@@ -266,7 +266,8 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
         # Training changes weights (paper mode) that routed CPU kernels would hold stale copies of.
         model, tokenizer = load_model(LoadConfig(model=config.model, cpu_kernels=False))
     corpus = corpus or build_corpus(config, model, tokenizer)
-    train_corpus, held_out = corpus.split(config.held_out, random.Random(config.seed))
+    train_corpus, held_out = (corpus.split_stable(config.held_out) if config.corpus  # it grows between runs
+                              else corpus.split(config.held_out, random.Random(config.seed)))
     separator = model.generation_config.eos_token_id
     separator = separator if isinstance(separator, int) else separator[0]
     sampler = WindowSampler(train_corpus, config.weights, config.seq_len, separator, config.seed)
