@@ -21,7 +21,7 @@ from ..models import ModelLoadError
 from ..prompts import check_unicode, encode_chat
 from . import zerogpu
 from .handlers import visitor_errors, without_paths
-from .presets import FALLBACK, auto_settings, scheme_settings
+from .presets import AUTO, FALLBACK, SCHEME_LABELS, auto_settings, scheme_settings
 from .race import race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html
@@ -49,6 +49,7 @@ class ChatTurn:
     vanilla: GenerationResult | None = None  # set once the visitor raced this turn
     racing: bool = False  # the vanilla decode of this turn is running
     runs: int = 1  # 1, plus one per Regenerate
+    fallback: bool = False  # auto stood for its fallback settings: this machine was being measured
 
     @property
     def token_ids(self) -> list[int]:
@@ -179,6 +180,9 @@ def badge_html(turn: ChatTurn) -> str:
                          'sampling keeps the distribution">sampling: no identical check</span>')
     items.append(f'<span class="muted">{esc(scheme_name(turn.request.settings()))}'
                  f'{" · regenerated" if turn.runs > 1 else ""}</span>')
+    if turn.fallback:
+        items.append('<span class="badge fallback" title="auto\'s plan is not ready until this machine has been '
+                     'measured, behind the page">auto: fallback settings while this machine is measured</span>')
     notice = left_out_notice(turn.left_out, turn.request, len(turn.prompt_ids))
     if notice:
         items.append(f'<span class="badge warn trimmed">{esc(notice)}</span>')
@@ -298,6 +302,7 @@ class Chat:
                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=CHAT_TOP_P, top_k=CHAT_TOP_K,
                           seed=runs - 1) | scheme_settings(scheme, auto)
             turn = self.start_turn(inputs, history_of(turns))
+            turn.fallback = engine.measuring is not None and engine.tuning is None and SCHEME_LABELS.get(scheme) == AUTO
         except SettingError as err:
             raise gr.Error(str(err), title="Invalid setting", print_exception=False) from err
         turn.runs = runs
