@@ -317,7 +317,7 @@ def format_tuning(tuning) -> str:
         one = curve.one_token_s
         widths = " ".join(f"{w}:{curve.plain[w] / one:.2f}" for w in sorted(curve.plain) if w > 1)
         drafts = " ".join(f"{k}:{t / one:.2f}" for k, t in sorted(curve.draft.items()))
-        noisy = f" (measured under load: rounds {curve.spread:.1f}-fold apart)" if tuning.noisy.get(precision) else ""
+        noisy = " (measured under load)" if tuning.noisy.get(precision) else ""
         lines += [f"{tuning.names[precision]}: {1e3 * one:.1f} ms per one-token pass{noisy}",
                   f"  plain block of N tokens, x one-token pass: {widths}",
                   f"  draft pass [t, SAT x k], x one-token pass: {drafts or '-'}",

@@ -37,7 +37,7 @@ import torch
 import transformers
 
 from . import attention, cpu_kernels, jsonfile
-from .costs import CostCurve, RowCheck, check_rows, measure_curve
+from .costs import NOISY_SPREAD, CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
 from .planner import TRACE_FILE, Plan, Trace, choose
@@ -391,9 +391,9 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
         measured = found[precision]
         if precision in fresh:
             if measured.noisy:
-                log.warning("the %s pass costs were measured while something else used the cores (rounds differ "
-                            "%.1f-fold); they are kept, and measured again when the machine is quiet (or by "
-                            "`python -m sdsat tune --force`)", precision, measured.curve.spread)
+                log.warning("the %s pass costs were measured while something else used the cores (one-token "
+                            "rounds over %.1f-fold apart); they are kept, and measured again when the machine is "
+                            "quiet (or by `python -m sdsat tune --force`)", precision, NOISY_SPREAD)
             if measured is not kept[precision]:
                 stored[keys[precision]] = measured.to_dict()
         tuning.forms[precision], tuning.curves[precision], tuning.rows[precision] = (measured.form, measured.curve,
