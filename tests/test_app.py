@@ -575,18 +575,26 @@ def test_without_a_trace_auto_keeps_the_defaults_and_says_why(page, tuned_engine
     assert data["auto"] == {"plan": None, "note": untraced.note, "used": False}
 
 
-def test_preload_measures_the_machine_before_the_first_visitor(default_engine, monkeypatch):
+def test_preload_settles_auto_without_measuring_before_the_page(default_engine, monkeypatch):
+    """Preload never measures before the page is up: a kept tuning is used at once; without one the machine is
+    measured behind the page (`_tune_behind`; its run is tested in test_first_minutes.py)."""
     calls = []
     monkeypatch.setattr("sdsat.ui.registry.Engine.load", lambda config, sats=None: default_engine)
-    monkeypatch.setattr(default_engine, "tune", lambda: calls.append("tune") or default_engine.tuning)
-    monkeypatch.setattr(default_engine, "tuning", None)
-    page, zero = Page(Limits()), Page(Limits())
-    page.preload()
-    assert calls == ["tune"] and page.cache.is_loaded(DEFAULT_MODEL)
+    monkeypatch.setattr(default_engine, "tune", lambda *a, **kw: pytest.fail("measured before the page"))
+    monkeypatch.setattr("sdsat.ui.registry.EngineCache._tune_behind",
+                        lambda self, engine, remeasure, when_quiet=False: calls.append(remeasure))
+    for kept in (tuning.Tuning(), None):  # a clean tuning kept on disk, then none
+        monkeypatch.setattr(default_engine, "tuning", kept)
+        monkeypatch.setattr(default_engine, "use_stored_tuning", lambda kept=kept: kept is not None)
+        page = Page(Limits())
+        page.preload()
+        assert page.cache.is_loaded(DEFAULT_MODEL)
+    assert calls == ["missing"]  # only where nothing was kept
+    zero = Page(Limits())
     # On ZeroGPU no CUDA work may run outside a GPU call: the model loads, unmeasured, and the page says so.
     monkeypatch.setenv("SPACES_ZERO_GPU", "true")
     zero.preload()
-    assert calls == ["tune"] and zero.cache.is_loaded(DEFAULT_MODEL)
+    assert calls == ["missing"] and zero.cache.is_loaded(DEFAULT_MODEL)
     controls = dict(zip(MODEL_OUTPUTS, zero.model_controls(DEFAULT_MODEL)))
     assert "not measured on ZeroGPU" in controls["auto_note"] and controls["k"]["value"] == FALLBACK["k"]
     assert "not measured on ZeroGPU" in controls["machine"]  # and no GPU named: that would start CUDA
