@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import wheelhouse
 from local_hub import HubRepo, LocalHub
 from sdsat import default_model
 from sdsat.decoding import DecodeConfig, collect
@@ -57,19 +58,42 @@ def wait_for_page(url: str, app: subprocess.Popen, log: Path, seconds: float = 6
 
 @pytest.fixture(scope="module")
 def space_venv(tmp_path_factory) -> Path:
-    """A fresh virtual environment with requirements.txt alone, as a Space installs it."""
-    venv = tmp_path_factory.mktemp("space") / "venv"
+    """A fresh virtual environment with requirements.txt alone, as a Space installs it.
+
+    pip resolves requirements.txt offline, against wheels of the releases this test run uses (packed from its
+    own environment: no download); it skips compiling bytecode, which Python writes on import anyway."""
+    space = tmp_path_factory.mktemp("space")
+    wheels = wheelhouse.build(ROOT / "requirements.txt", space / "wheels")
+    venv = space / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    proc = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "-r", str(ROOT / "requirements.txt")],
-                          capture_output=True, text=True, env=BASE_ENV, timeout=1800)
+    offline = {n: v for n, v in BASE_ENV.items() if not n.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
+    proc = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", "--no-index", "--find-links", str(wheels),
+                           "--no-compile", "-r", str(ROOT / "requirements.txt")],
+                          capture_output=True, text=True, env=offline, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return venv
+
+
+# The Space's own start-up, as `sitecustomize`: its load-time measurements (the CPU kernel plan, the pass-cost
+# curves) run as in a fresh Space, but short, as conftest's tuned_engine measures for the test process. No
+# assertion here depends on timings; at full length they take minutes on a 2-core machine.
+SHORT_MEASUREMENTS = """
+import sdsat.cpu_kernels, sdsat.tuning
+
+def _short(measure, **short):
+    return lambda *args, **kwargs: measure(*args, **(short | kwargs))
+
+sdsat.cpu_kernels.tune = _short(sdsat.cpu_kernels.tune, max_rows=4, repeats=1)
+sdsat.tuning.measure_curve = _short(sdsat.tuning.measure_curve, widths=(1, 2, 4, 8, 16), context=32, repeats=1)
+"""
 
 
 @pytest.fixture(scope="module")
 def space(space_venv: Path, tmp_path_factory):
     """`python app.py` from that environment, the Hub a local stand-in that starts out refusing (gated)."""
     work = tmp_path_factory.mktemp("space-run")
+    (work / "site").mkdir()
+    (work / "site" / "sitecustomize.py").write_text(SHORT_MEASUREMENTS)
     hub = LocalHub()
     hub.repos[default_model.GGUF_REPO] = HubRepo(default_model.GGUF_REVISION,
                                                  {default_model.GGUF_FILE: default_model.packaged_gguf()}, mode="gated")
@@ -79,7 +103,8 @@ def space(space_venv: Path, tmp_path_factory):
                           GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
                           GRADIO_ANALYTICS_ENABLED="False",
                           HF_HUB_DISABLE_TELEMETRY="1", SDSAT_LOAD_RETRY_S="0", OMP_NUM_THREADS="2",
-                          SDSAT_MODELS=f"{default_model.DEFAULT_MODEL},nobody/missing-model")
+                          SDSAT_MODELS=f"{default_model.DEFAULT_MODEL},nobody/missing-model",
+                          PYTHONPATH=f"{work / 'site'}{os.pathsep}{ROOT}")  # ROOT: sys.path[0] comes after site
     log = work / "app.log"
     with open(log, "w") as out:
         app = subprocess.Popen([str(space_venv / "bin" / "python"), "app.py"], cwd=ROOT, env=env, stdout=out,
@@ -87,6 +112,7 @@ def space(space_venv: Path, tmp_path_factory):
     try:
         url = f"http://127.0.0.1:{port}/"
         html = wait_for_page(url, app, log)
+        assert "Error in sitecustomize" not in log.read_text()  # the short measurements are in place
         yield dict(url=url, html=html, hub=hub, hf_cache=work / "hf" / "hub", log=log, app=app)
     finally:
         app.terminate()
