@@ -123,24 +123,34 @@ def test_cancelled_race_frees_the_worker(server):
     assert time.monotonic() - start < 60  # not queued behind 48 abandoned tokens of two decoders
 
 
-@contextlib.contextmanager
-def _page(server: str, **options):
-    """A page of the served demo in headless Chromium (Debian's, driven by Playwright), closed afterwards."""
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (Debian's, driven by Playwright), started once for the module's browser tests."""
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(**options)
-            page.goto(server)
-            yield page
+            yield browser
         finally:
             browser.close()
 
 
+@contextlib.contextmanager
+def _page(browser, server: str, **options):
+    """A page of the served demo in a browser context of its own (nothing kept from another test), closed after."""
+    context = browser.new_context(**options)
+    try:
+        page = context.new_page()
+        page.goto(server)
+        yield page
+    finally:
+        context.close()
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_race(server):
+def test_browser_race(server, browser):
     SCREENS.mkdir(parents=True, exist_ok=True)
-    with _page(server, viewport={"width": 1400, "height": 1000}) as page:
+    with _page(browser, server, viewport={"width": 1400, "height": 1000}) as page:
         prompt = page.get_by_label("Prompt", exact=True)
         prompt.fill('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')
         page.locator("#max-new input[type=number]").fill("40")
@@ -180,10 +190,10 @@ def test_browser_race(server):
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_race_with_a_draft_tree(server):
+def test_browser_race_with_a_draft_tree(server, browser):
     """The Draft tree setting: still identical, a SAT's second choice is named in a token's tooltip, and
     the setting greys out when sampling (trees are greedy only)."""
-    with _page(server, viewport={"width": 1400, "height": 1000}) as page:
+    with _page(browser, server, viewport={"width": 1400, "height": 1000}) as page:
         page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n'
                                                      '    """Return the n-th Fibonacci number."""\n')
         page.locator("#max-new input[type=number]").fill("40")
@@ -226,14 +236,14 @@ def _run_race(page, max_new: str | None = None):
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_default_race_leads_with_auto_and_yields_code(server, tuned_engine):
+def test_browser_default_race_leads_with_auto_and_yields_code(server, browser, tuned_engine):
     """The page opens on a code example and auto, its sliders on this machine's plan; its race gives code, not
     prose, with the predicted speed-up beside the achieved one, and This machine shows the measured pass costs.
     The paper's scheme is one click away, and a chat example asking for a function gives code too."""
     plan = tuned_engine.tuning.plan_for(("two_step",), True)
     expect = pytest.importorskip("playwright.sync_api").expect
     SCREENS.mkdir(parents=True, exist_ok=True)
-    with _page(server, viewport={"width": 1440, "height": 1000}) as page:
+    with _page(browser, server, viewport={"width": 1440, "height": 1000}) as page:
         assert page.get_by_label("auto (predicted fastest on this machine)").is_checked()
         # The page load fills in the plan; where it keeps a slider's first value, only the note shows it is done.
         expect(page.locator("#auto-note")).to_contain_text(plan.reason, timeout=30_000)
@@ -262,8 +272,8 @@ def test_browser_default_race_leads_with_auto_and_yields_code(server, tuned_engi
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_chat_two_turns_coloured_regenerate_replaces_only_the_last(server):
-    with _page(server, viewport={"width": 1440, "height": 1000}) as page:
+def test_browser_chat_two_turns_coloured_regenerate_replaces_only_the_last(server, browser):
+    with _page(browser, server, viewport={"width": 1440, "height": 1000}) as page:
         page.get_by_role("tab", name="Chat").click()
         box = page.locator("#chat-msg textarea")
         done = "#chatbot .chat-turn.turn-{}.run-{} .badge.speed"
@@ -320,8 +330,8 @@ def test_chat_api_takes_the_history_and_checks_against_vanilla(server):
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_benchmark_tab_leads_with_its_chart(server):
-    with _page(server, viewport={"width": 1440, "height": 900}) as page:
+def test_browser_benchmark_tab_leads_with_its_chart(server, browser):
+    with _page(browser, server, viewport={"width": 1440, "height": 900}) as page:
         page.get_by_role("tab", name="Benchmark").click()
         chart = page.locator("#bench-chart .js-plotly-plot")
         chart.wait_for(timeout=30_000)
@@ -343,11 +353,11 @@ def test_browser_benchmark_tab_leads_with_its_chart(server):
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_replay_plays_without_the_server(server):
+def test_browser_replay_plays_without_the_server(server, browser):
     """Replay runs in the browser: it sends no request, and the server answers others while it plays."""
     from gradio_client import Client
 
-    with _page(server, viewport={"width": 1440, "height": 1000}) as page:
+    with _page(browser, server, viewport={"width": 1440, "height": 1000}) as page:
         _run_race(page, "32")
         sent = []
         page.on("request", lambda request: sent.append(request.url))
@@ -363,9 +373,9 @@ def test_browser_replay_plays_without_the_server(server):
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
-def test_browser_phone_width_has_no_sideways_scroll(server):
+def test_browser_phone_width_has_no_sideways_scroll(server, browser):
     phone = dict(viewport={"width": 390, "height": 844}, device_scale_factor=1, is_mobile=True, has_touch=True)
-    with _page(server, **phone) as page:
+    with _page(browser, server, **phone) as page:
         _run_race(page, "24")
         page.locator("#race-plot .js-plotly-plot").wait_for(timeout=30_000)
         page.evaluate("document.querySelector('.headline').scrollIntoView()")
