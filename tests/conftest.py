@@ -75,10 +75,10 @@ def real_tokenizer():
     return AutoTokenizer.from_pretrained(default_model_folder())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
-    """One torch thread for a test module: on a shared 2-core machine, thread hand-offs make two
-    threads several times slower (tiny models ~50x). Use with pytest.mark.usefixtures."""
+    """One torch thread for the whole session: on a shared 2-core machine, thread hand-offs make two
+    threads several times slower (tiny models ~50x, the default model's tuning ~10x)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -20,8 +20,6 @@ SAT_ID = 32011  # the paper's checkpoints' SAT: a vocabulary row past the tokeni
 WORDS = "def return if else for in range a b c x y n + - * = ( ) : , 0 1 2".split()
 BOS = 1
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def save_tiny_checkpoint(folder: Path) -> Path:
     """A random Llama laid out like an SDSAT checkpoint: the SAT is a row of its vocabulary, no sat_spec.json,

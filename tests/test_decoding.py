@@ -51,9 +51,6 @@ class PieceTokenizer:
 TOKENIZER = PieceTokenizer()
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def favourite_llama() -> torch.nn.Module:
     model = make_tiny_llama(vocab_size=VOCAB, seed=0)
     with torch.no_grad():

@@ -19,7 +19,6 @@ from sdsat.models import LoadConfig, ModelLoadError, load_model
 from sdsat.ui.handlers import MODEL_OUTPUTS, Page
 from sdsat.ui.settings import REQUEST_INPUTS, Limits
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 DEAD_PID = 4_000_000  # above Linux's largest pid: no process has it
 
 

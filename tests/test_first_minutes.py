@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sdsat import tuning
+from sdsat import cpu_kernels, tuning
 from sdsat.costs import measure_curve
 from sdsat.models import DEFAULT_MODEL, default_model_folder
 from sdsat.planner import FALLBACK
@@ -31,6 +31,7 @@ def empty_cache(tmp_path, monkeypatch) -> Path:
     cache.mkdir()
     (cache / DEFAULT_MODEL).symlink_to(default_model_folder(), target_is_directory=True)
     monkeypatch.setenv("SDSAT_CACHE", str(cache))
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})  # nor kept in this process (an earlier test's engine tuned one)
     return cache
 
 

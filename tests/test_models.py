@@ -20,9 +20,6 @@ CASES = [("def fib(n):", False, 2), ("import numpy as np\n\ndef mean(xs):", Fals
 NEW_TOKENS = 12
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def test_loads_from_the_package_with_a_weight_cache_and_without_bitsandbytes():
     # A fresh interpreter: in this one another test may have imported anything.
     script = ("import json, sys\nfrom sdsat.engine import Engine\nengine = Engine.load()\n"

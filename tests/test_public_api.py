@@ -24,8 +24,6 @@ from sdsat.models import DEFAULT_MODEL
 os.environ.setdefault("SDSAT_MAX_NEW_TOKENS", "48")
 os.environ.setdefault("SDSAT_TIME_LIMIT", "240")  # a loaded CI machine must not cut a race short
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # The inputs of each public endpoint in order, each with the words its error message names it by.
 GENERATE = [("prompt", "def add(a, b):\n", "prompt"), ("model", DEFAULT_MODEL, "model"), ("chat", False, "chat"),
             ("mode", "greedy", "mode"), ("k", 2, "k (number of adaptive tokens)"),

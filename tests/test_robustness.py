@@ -49,9 +49,6 @@ ODD_PROMPTS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 class LetterTokenizer:
     """Token i decodes to one letter: enough for the stop checker and the result text."""
 

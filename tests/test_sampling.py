@@ -45,9 +45,6 @@ class SilentTokenizer:
         return " ".join(map(str, ids))
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 @pytest.fixture(scope="module")
 def sat_model() -> SatModel:
     model = make_tiny_llama(vocab_size=VOCAB, layers=1, seed=0)

@@ -14,8 +14,6 @@ from sdsat.costs import check_rows, measure_curve
 from sdsat.decoding import DecodeConfig, collect, decode
 from test_decoding import KINDS, TOKENIZER, make_sat_model, random_prompts
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def _state(sat_model) -> dict:
     """Parameters and every buffer (the rotary frequencies are not in the state dict)."""
