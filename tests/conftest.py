@@ -43,10 +43,18 @@ def default_engine():
     return Engine.load()
 
 
+@pytest.fixture(scope="session")
+def tuning_file(tmp_path_factory):
+    """Where tuned_engine keeps its measurement: the first module to tune measures, the others read it back
+    (as `Engine.tune` reads ~/.cache/sdsat/tuning.json at a later start)."""
+    return tmp_path_factory.mktemp("tuning") / "tuning.json"
+
+
 @pytest.fixture(scope="module")
-def tuned_engine(default_engine):
+def tuned_engine(default_engine, tuning_file):
     """The default engine as `Engine.tune` leaves it, measured quickly (its loaded precision only, a short cost
-    curve of one round: no figure in a test depends on timings); afterwards as loaded, for the other tests."""
+    curve of one round: no figure in a test depends on timings) once per session; afterwards as loaded, for
+    the other tests."""
     from sdsat import tuning
     from sdsat.costs import measure_curve
 
@@ -57,7 +65,7 @@ def tuned_engine(default_engine):
     patch.setattr(tuning, "measure_curve", quick)
     try:
         default_engine.tuning = tuning.tune(default_engine.sat_model, default_engine.name, fixed_dtype=True,
-                                            cache_file=None)
+                                            cache_file=tuning_file)
         yield default_engine
     finally:
         patch.undo()
