@@ -11,6 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Tests slow only by their size run smaller in `make test`, in full with SDSAT_FULL_TESTS=1 (the API fuzz and the
+# race soak, test_public_api.py).
+FULL_TESTS = os.environ.get("SDSAT_FULL_TESTS", "") not in ("", "0")
+
 
 def make_tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
     """A random Llama small enough for hundreds of decodes per second on a CPU."""
@@ -26,7 +30,7 @@ def make_tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "soak: minutes-long server tests (the API fuzz and the 300-race soak); "
+    config.addinivalue_line("markers", "soak: minutes-long server tests (the API fuzz and the race soak); "
                             "`make test` runs them, `pytest -m 'not soak'` leaves them out")
 
 
