@@ -29,14 +29,8 @@ class DecodeConfig:
     lookup_tokens: int = 0  # SDSAT two_step: when the last tokens recur, verify up to this many tokens
     # copied from after that occurrence instead of SAT drafts (prompt lookup, drafters.py); 0: off
     lookup_ngram: int = 2  # at least this many last tokens must recur (1 is too weak a hint on chat text)
-    tree_candidates: int = 0  # SDSAT two_step, greedy: also verify this many of the SATs' runner-up candidates
-    # (a draft tree, tree.py) in the verify pass; 0: the chain (the paper). Sampling verifies the chain.
-
-    @property
-    def tree_candidates_used(self) -> int:
-        """The runner-ups actually verified: a draft tree is greedy only (under sampling a lossless tree
-        would need multi-draft rejection sampling), so sampling verifies the chain."""
-        return 0 if self.sampling.do_sample else self.tree_candidates
+    tree_candidates: int = 0  # SDSAT two_step: also verify this many of the SATs' runner-up candidates (greedy)
+    # or further draws (sampling) in the verify pass: a draft tree, tree.py; 0: the chain (the paper)
 
     @property
     def draft_positions(self) -> int:

@@ -97,7 +97,8 @@ def _sdsat(sat_model: SatModel, model, prompt_ids, config, stop: StopChecker, sh
             # 2. Verify them in one pass; the cache keeps the start token and the accepted drafts.
             t0 = clock.now()
             if proposal.tree is not None:
-                verdict = verify_tree(sat_model, chooser, cache, proposal.start, proposal.drafts, proposal.tree)
+                verdict = verify_tree(sat_model, chooser, cache, proposal.start, proposal.drafts, proposal.tree,
+                                      proposal.q, proposal.draws, proposal.valid)
             else:
                 verdict = verify_chain(sat_model, chooser, cache, proposal.start, proposal.drafts, proposal.q,
                                        proposal.draft_next)
@@ -141,7 +142,8 @@ def _record(index: int, kv_before: int, proposal: Proposal, verdict: Verdict, to
         k=proposal.k, drafts=shown, draft_probs=draft_probs, predictions=verdict.p.argmax(-1).tolist(),
         accepted=verdict.accepted, tokens=tokens, sources=sources, probs=probs, pass_seconds=pass_seconds,
         kv_len=kv_len, elapsed=elapsed, draft_ranks=ranks, candidates=len(proposal.drafts),
-        tree_paths=[list(path) for path in tree.paths] if tree else [], tree_tokens=verdict.node_tokens)
+        tree_paths=[list(path) for path in tree.paths] if tree else [], tree_tokens=verdict.node_tokens,
+        accept_tests=verdict.tests)
 
 
 def _cut_at_stop(stop: StopChecker, tokens: list[int], sources: list[str], probs: list[float]):

@@ -7,7 +7,8 @@ runs the draft pass [pending, SAT x k], whose logits at the last pending token g
 the draft distribution q_j.
 
 * `SatChain`: the paper's scheme: k SAT drafts, verified as a chain (k may adapt to acceptance).
-* `SatTree`: the same draft pass; the verify pass also checks the SATs' runner-up candidates (tree.py).
+* `SatTree`: the same draft pass; the verify pass also checks the SATs' runner-up candidates (tree.py),
+  or under sampling more draws of each SAT.
 * `PromptLookup`: where the last tokens occurred before, the tokens that followed them there (copies),
   verified right after the bonus token without a draft pass; otherwise a SAT drafter's draft pass,
   and the copies after its token t if t completed a recurring n-gram.
@@ -59,8 +60,11 @@ class Proposal:
     k: int  # the drafts asked for: the draft pass's SATs, or the copies
     drafts: torch.Tensor  # (n,) the chain's drafts or copies; a tree's every node token
     q: torch.Tensor | None  # (n or depth, V) what the drafts were drawn from; None for copies (all mass on each)
-    ranks: list[int] = field(default_factory=list)  # greedy SAT drafts: each one's rank in its q (a tree's nodes)
-    tree: DraftTree | None = None  # verify as a tree (greedy only)
+    ranks: list[int] = field(default_factory=list)  # greedy SAT drafts: each one's rank in its q; a tree's nodes:
+    # each one's rank, or under sampling its draw's order
+    tree: DraftTree | None = None  # verify as a tree
+    draws: torch.Tensor | None = None  # a tree: (depth, width) each depth's ranked draws (TokenChooser.draw_ranked)
+    valid: list[int] = field(default_factory=list)  # a tree: per depth, how many of those draws are real
     draft_next: int = 0  # fused: the verify pass also drafts this many tokens for the next iteration
     certain: list[int] = field(default_factory=list)  # [t] after a draft pass: emitted before the verified ones
     certain_probs: list[float] = field(default_factory=list)
@@ -118,7 +122,7 @@ class SatChain:
 
 
 class SatTree(SatChain):
-    """The chain's draft pass; the verify pass also checks `extra` runner-up candidates (greedy only)."""
+    """The chain's draft pass; the verify pass also checks `extra` runner-up candidates (sampled: more draws)."""
 
     kind = "tree"
 
@@ -128,8 +132,9 @@ class SatTree(SatChain):
 
     def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor) -> Proposal:
         tree = DraftTree.for_k(len(q), self.extra)
-        tokens, ranks = tree.candidates(q)
-        return Proposal(kind=self.kind, start=t, k=self.k, drafts=tokens, q=q, ranks=ranks, tree=tree)
+        draws, valid = ctx.chooser.draw_ranked(q, tree.width)
+        return Proposal(kind=self.kind, start=t, k=self.k, drafts=tree.node_tokens(draws), q=q,
+                        ranks=[path[-1] for path in tree.paths], tree=tree, draws=draws, valid=valid)
 
 
 class PromptLookup:
@@ -196,7 +201,7 @@ def drafter_for(config: DecodeConfig) -> Drafter:
     if config.scheme == "fused":
         return Fused(config.k)
     adaptive = config.adaptive_k
-    tree = config.tree_candidates_used
+    tree = config.tree_candidates
     sats = SatTree(config.k, tree, adaptive) if tree else SatChain(config.k, adaptive)
     return PromptLookup(sats, config.lookup_tokens, config.lookup_ngram) if config.lookup_tokens else sats
 

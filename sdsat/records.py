@@ -21,6 +21,28 @@ KINDS = (
 )
 
 
+@dataclass
+class AcceptTest:
+    """One sampled draft's accept test, with the run's own numbers (the step explorer shows them).
+
+    At a position, sibling drafts are tried in the order they were drawn: the first against p, each later
+    one against the residual the rejections before it left (sampling.py).
+    """
+
+    depth: int  # the draft's position after t (1: the first draft)
+    token: int
+    p: float  # the target's probability of the token at this try: p, or the residual after earlier siblings
+    q: float  # the probability it was drawn with: q, less the siblings drawn before it (1 for a copy)
+    u: float  # the uniform number drawn; the draft is accepted when u < min(1, p / q)
+    accepted: bool
+    residual: list[tuple[int, float]] = field(default_factory=list)  # on rejection: norm(max(0, p - q))'s top tokens
+    replacement: int | None = None  # the last rejection at a position: the token drawn from that residual
+
+    @property
+    def ratio(self) -> float:
+        return min(1.0, self.p / self.q) if self.q > 0 else 0.0
+
+
 @dataclass(kw_only=True)
 class StepRecord:
     """One iteration."""
@@ -46,6 +68,7 @@ class StepRecord:
     candidates: int = 0  # drafted tokens the verify pass checked: k, the copies, or every node of a draft tree
     tree_paths: list[list[int]] = field(default_factory=list)  # a draft tree's nodes as rank paths (tree.py)
     tree_tokens: list[int] = field(default_factory=list)  # the token of each of those nodes
+    accept_tests: list[AcceptTest] = field(default_factory=list)  # sampling: every draft tried, in order
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -12,6 +12,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .errors import check_real, check_whole
+from .records import AcceptTest
 
 # Below this, logits / temperature overflow float32 (1e-40 gives inf - inf = NaN probabilities); 0.01
 # already makes sampling all but greedy, so nothing useful lies beneath it.
@@ -19,6 +20,7 @@ MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 5.0  # higher ones give near-random text
 MAX_TOP_K = 1000
 MAX_SEED = 2**31 - 1
+RESIDUAL_SHOWN = 5  # a rejection's residual distribution: this many of its top tokens are recorded
 
 
 @dataclass
@@ -84,8 +86,66 @@ class TokenChooser:
             return torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
         return q.argmax(-1)
 
-    def accept(self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-        """Verify drafts against the model; returns (accepted drafts, the model's next token).
+    def draw_ranked(self, q: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
+        """(depth, V) draft distributions -> ((depth, count) tokens, per row how many are real draws).
+
+        Greedy: each row's `count` most likely tokens. Sampling: `count` draws without replacement, in the
+        order drawn, which is the order verification must try them in. Where q's support (after top-k /
+        top-p) holds fewer tokens, only that many are drawn; the rest of the row repeats its first draw
+        and is never tried.
+        """
+        if not self.config.do_sample:
+            return q.topk(count, dim=-1).indices, [count] * len(q)
+        valid = (q > 0).sum(-1).clamp(max=count).tolist()
+        rows = []
+        for row, n in zip(q, valid):
+            drawn = torch.multinomial(row, n, replacement=False, generator=self.generator)
+            rows.append(torch.cat([drawn, drawn[:1].expand(count - n)]))
+        return torch.stack(rows), valid
+
+    def try_siblings(self, p: torch.Tensor, q: torch.Tensor, draws: list[int], ranks: list[int],
+                     depth: int) -> tuple[int | None, int | None, list[AcceptTest]]:
+        """Multi-draft speculative sampling at one position (docs/architecture.md derives it).
+
+        Args:
+            p: (V,) the model's distribution here.
+            q: (V,) the distribution the drafts here were drawn from, without replacement, in `draws`' order.
+            draws: the tokens drawn here, in order; `ranks`: the ones the tree verified (ascending).
+        The sibling of rank r is accepted with probability min(1, r(x) / q_r(x)), where q_r is q without the
+        r tokens drawn before it (what x was drawn from) and r(x) is what earlier rejections left of p: each
+        rejection replaces it by norm(max(0, r - q_r)). Returns (the index in `ranks` of the accepted
+        sibling, or None and the token drawn from the last residual), and each try's numbers.
+        """
+        residual, tests = p, []
+        for i, rank in enumerate(ranks):
+            proposal = q.clone()
+            proposal[draws[:rank]] = 0  # the siblings drawn before this one
+            total = proposal.sum()
+            if total <= 0:
+                break
+            proposal /= total
+            x = draws[rank]
+            px, qx = float(residual[x]), float(proposal[x])
+            u = float(torch.rand((), generator=self.generator, device=p.device))
+            tests.append(AcceptTest(depth=depth, token=x, p=px, q=qx, u=u, accepted=u * qx < px))
+            if tests[-1].accepted:
+                return i, None, tests
+            left = (residual - proposal).clamp(min=0)
+            if left.sum() > 0:  # else residual == proposal up to rounding: any draw from it is exact
+                residual = left / left.sum()
+            top = residual.topk(min(RESIDUAL_SHOWN, residual.shape[-1]))
+            tests[-1].residual = [(int(t), float(v)) for v, t in zip(top.values, top.indices) if v > 0]
+        token = int(torch.multinomial(residual, 1, generator=self.generator))
+        if tests:
+            tests[-1].replacement = token
+        return None, token, tests
+
+    def sample(self, p: torch.Tensor) -> int:
+        return int(torch.multinomial(p, 1, generator=self.generator))
+
+    def accept(self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int, list[AcceptTest]]:
+        """Verify a chain of drafts against the model; returns (accepted drafts, the model's next token, the
+        accept tests when sampling).
 
         Args:
             p: (k + 1, V) model distributions; row i follows the i-th draft (row 0 follows t).
@@ -100,16 +160,11 @@ class TokenChooser:
         if not self.config.do_sample:
             matches = (p[:k].argmax(-1) == drafts).int()
             accepted = int(matches.cumprod(0).sum())
-            return accepted, int(p[accepted].argmax())
-        idx = torch.arange(k, device=p.device)
-        ratio = p[idx, drafts] / q[idx, drafts]  # q[i, drafts[i]] > 0: drafts were drawn from q
-        u = torch.rand(k, generator=self.generator, device=p.device)
-        for i in range(k):
-            if u[i] >= ratio[i]:  # reject with probability 1 - min(1, p/q)
-                residual = (p[i] - q[i]).clamp(min=0)
-                if residual.sum() <= 0:  # p == q up to rounding: any draw from p is exact
-                    residual = p[i]
-                token = torch.multinomial(residual / residual.sum(), 1, generator=self.generator)
-                return i, int(token)
-        token = torch.multinomial(p[k], 1, generator=self.generator)
-        return k, int(token)
+            return accepted, int(p[accepted].argmax()), []
+        tests = []
+        for i, x in enumerate(drafts.tolist()):
+            taken, token, tried = self.try_siblings(p[i], q[i], [x], [0], depth=i + 1)
+            tests += tried
+            if taken is None:
+                return i, token, tests
+        return k, self.sample(p[k]), tests

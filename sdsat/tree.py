@@ -7,8 +7,10 @@ a few more candidates ride along almost for free. A tree is a set of rank paths,
 (0, 1) is the SAT's second choice at
 depth 2 placed after its first choice at depth 1. Every candidate sees t, its ancestors and itself,
 and stands at its depth. Greedy verification walks down from t, taking the child that equals the
-model's own next token; the result is exactly greedy decoding. Sampling keeps the chain (a tree
-needs multi-draft rejection sampling to stay lossless).
+model's own next token; the result is exactly greedy decoding. Under sampling, a rank is a draw:
+each depth's candidates are drawn from its q without replacement, and verification tries a node's
+children in the order drawn, by multi-draft rejection sampling (verify.py), which keeps the output
+distribution that of sampling from the model.
 """
 
 from __future__ import annotations
@@ -62,12 +64,24 @@ class DraftTree:
             children.setdefault(parent, []).append(i)
         return children
 
+    @functools.cached_property
+    def width(self) -> int:
+        """Draws needed per depth: the highest rank in any path, plus one."""
+        return max(max(p) for p in self.paths) + 1
+
+    def node_tokens(self, draws: torch.Tensor) -> torch.Tensor:
+        """(depth, width) ranked draws -> the node tokens (n,): node (r_1..r_j) takes draw r_j of depth j.
+
+        Nodes of one depth share its draws whatever their parents: only one node per depth is ever
+        reached, so each reached node's children are a true draw of its depth's distribution."""
+        depths = torch.tensor([len(p) - 1 for p in self.paths], device=draws.device)
+        ranks = torch.tensor([p[-1] for p in self.paths], device=draws.device)
+        return draws[depths, ranks]
+
     def candidates(self, q: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """q (depth, V) -> the node tokens (n,): node (r_1..r_j) takes the r_j-th most likely token of q_j."""
-        top = q.topk(max(max(p) for p in self.paths) + 1, dim=-1).indices  # (depth, R)
-        depths = torch.tensor([len(p) - 1 for p in self.paths], device=q.device)
-        ranks = [p[-1] for p in self.paths]
-        return top[depths, torch.tensor(ranks, device=q.device)], ranks
+        """Greedy: q (depth, V) -> the node tokens (n,), node (r_1..r_j) taking the r_j-th most likely token
+        of q_j, and each node's rank."""
+        return self.node_tokens(q.topk(self.width, dim=-1).indices), [p[-1] for p in self.paths]
 
     @functools.cached_property
     def attention_mask(self) -> torch.Tensor:
@@ -102,8 +116,13 @@ class DraftTree:
                 break
             accepted.append(nxt)
             node = nxt
-        shown = list(accepted)
-        while children.get(node):
-            node = children[node][0]
+        return accepted, self.shown(accepted)
+
+    def shown(self, accepted: list[int]) -> list[int]:
+        """The path a record shows for these accepted nodes: them, then the first-listed child at each level
+        below, down to a leaf (the draft turned down first)."""
+        shown, node = list(accepted), accepted[-1] if accepted else -1
+        while self.children.get(node):
+            node = self.children[node][0]
             shown.append(node)
-        return accepted, shown
+        return shown

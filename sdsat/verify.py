@@ -14,6 +14,7 @@ import torch
 
 from .kvcache import behind_cache, keep_rows, rollback
 from .layout import SatLayout
+from .records import AcceptTest
 from .sampling import TokenChooser
 from .sat import SatModel
 from .tree import DraftTree
@@ -29,6 +30,7 @@ class Verdict:
     node_tokens: list[int] = field(default_factory=list)  # tree: every node's token
     next_q: torch.Tensor | None = None  # fused: (k, V) the next block's draft distributions
     next_drafts: torch.Tensor | None = None  # fused: (k,) the next block's drafts
+    tests: list[AcceptTest] = field(default_factory=list)  # sampling: every draft's accept test, in order
 
 
 def verify_chain(sat_model: SatModel, chooser: TokenChooser, cache, start: int, drafts: torch.Tensor,
@@ -45,9 +47,9 @@ def verify_chain(sat_model: SatModel, chooser: TokenChooser, cache, start: int, 
     p = chooser.probs(sat_model.forward(block, cache=cache)[0])  # (n + 1, V)
     if q is None and chooser.config.do_sample:  # copies: all mass on each copied token (greedy ignores q)
         q = torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
-    accepted, bonus = chooser.accept(p, q, drafts)
+    accepted, bonus, tests = chooser.accept(p, q, drafts)
     rollback(cache, base + 1 + accepted)
-    return Verdict(p=p, accepted=accepted, bonus=bonus, shown=drafts.tolist())
+    return Verdict(p=p, accepted=accepted, bonus=bonus, shown=drafts.tolist(), tests=tests)
 
 
 def _verify_fused(sat_model: SatModel, chooser: TokenChooser, cache, start: int, drafts: torch.Tensor,
@@ -67,27 +69,57 @@ def _verify_fused(sat_model: SatModel, chooser: TokenChooser, cache, start: int,
     else:  # logits of every row, as the model's own head computes them
         rows, project = sat_model.forward(**inputs)[0], (lambda logits: logits)
     p = chooser.probs(project(rows[:n + 1]))
-    accepted, bonus = chooser.accept(p, q, drafts)
+    accepted, bonus, tests = chooser.accept(p, q, drafts)
     first = n + 1 + accepted * k
     next_q = chooser.probs(project(rows[first:first + k]))
     rollback(cache, base + 1 + accepted)
     return Verdict(p=p, accepted=accepted, bonus=bonus, shown=drafts.tolist(), next_q=next_q,
-                   next_drafts=chooser.draw(next_q))
+                   next_drafts=chooser.draw(next_q), tests=tests)
 
 
 def verify_tree(sat_model: SatModel, chooser: TokenChooser, cache, start: int, tokens: torch.Tensor,
-                tree: DraftTree) -> Verdict:
-    """Greedy verify pass over [start, every node of `tree`] (node tokens (n,)); keeps start and the accepted
-    path in the cache. Each node sees the cache, start and its ancestors, and stands at its depth."""
+                tree: DraftTree, q: torch.Tensor | None = None, draws: torch.Tensor | None = None,
+                valid: list[int] | None = None) -> Verdict:
+    """Verify pass over [start, every node of `tree`] (node tokens (n,)); keeps start and the accepted path in
+    the cache. Each node sees the cache, start and its ancestors, and stands at its depth. Greedy walks the
+    model's argmax; sampling needs what the nodes were drawn from: q (depth, V), the ranked draws
+    (depth, width) and how many of each depth's are real (`TokenChooser.draw_ranked`)."""
     device = sat_model.device
     base = cache.get_seq_length()
     logits = sat_model.forward(torch.cat([torch.tensor([start], device=device), tokens])[None], cache=cache,
                                attention_mask=behind_cache(tree.attention_mask, base, device),
                                position_ids=tree.position_offsets.to(device) + base)[0]
     p = chooser.probs(logits)
-    predictions, node_tokens = p.argmax(-1).tolist(), tokens.tolist()
-    accepted, shown = tree.walk(predictions, node_tokens)
+    node_tokens, tests = tokens.tolist(), []
+    if chooser.config.do_sample:
+        accepted, bonus, tests = _sample_walk(chooser, tree, p, q, draws.tolist(), valid)
+        shown = tree.shown(accepted)
+    else:
+        predictions = p.argmax(-1).tolist()
+        accepted, shown = tree.walk(predictions, node_tokens)
+        bonus = predictions[accepted[-1] + 1 if accepted else 0]
     keep_rows(cache, base, 1 + len(tokens), [0] + [i + 1 for i in accepted])
     rows = [0] + [i + 1 for i in shown]
-    return Verdict(p=p[rows], accepted=len(accepted), bonus=predictions[rows[len(accepted)]],
-                   shown=[node_tokens[i] for i in shown], shown_rows=shown, node_tokens=node_tokens)
+    return Verdict(p=p[rows], accepted=len(accepted), bonus=bonus, shown=[node_tokens[i] for i in shown],
+                   shown_rows=shown, node_tokens=node_tokens, tests=tests)
+
+
+def _sample_walk(chooser: TokenChooser, tree: DraftTree, p: torch.Tensor, q: torch.Tensor, draws: list[list[int]],
+                 valid: list[int]) -> tuple[list[int], int, list[AcceptTest]]:
+    """Down from t: at each node, its children are tried in the order they were drawn (`try_siblings`); the
+    accepted one is the next node. Ends at a node whose children were all rejected (the bonus is drawn from
+    what they left of p) or at a leaf (drawn from p). Returns the accepted nodes, the bonus and the tests."""
+    accepted, tests, node = [], [], -1
+    while True:
+        depth = len(accepted)
+        children = sorted((c for c in tree.children.get(node, []) if tree.paths[c][-1] < valid[depth]),
+                          key=lambda c: tree.paths[c][-1])
+        if not children:
+            return accepted, chooser.sample(p[node + 1]), tests
+        taken, bonus, tried = chooser.try_siblings(p[node + 1], q[depth], draws[depth],
+                                                   [tree.paths[c][-1] for c in children], depth + 1)
+        tests += tried
+        if taken is None:
+            return accepted, bonus, tests
+        node = children[taken]
+        accepted.append(node)

@@ -20,6 +20,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from conftest import make_tiny_llama
 from sdsat.decoding import DecodeConfig, decode, collect
+from sdsat.records import AcceptTest
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 
@@ -163,9 +164,136 @@ def test_accept_keeps_the_first_token_distributed_as_p():
     counts = np.zeros(v)
     accepted = 0
     for row in drafts:
-        n, next_token = chooser.accept(p, q, row)
+        n, next_token, _ = chooser.accept(p, q, row)
         counts[int(row[0]) if n > 0 else next_token] += 1
         accepted += n > 0
     assert 0.2 < accepted / draws < 0.8
     expected = p[0].double().numpy()
     assert stats.chisquare(counts, expected / expected.sum() * draws).pvalue > ALPHA
+
+
+# Draft trees under sampling: (k, tree_candidates, sampling settings, lookup_tokens). With k = 1 the
+# root's children are 2 or 4 draws of SAT 1 (siblings); k = 2 with 5 runner-ups gives 4 siblings at the
+# root and 2 below the first; top-k 5 (or top-p) leaves q fewer tokens than draws at some positions.
+TREES = {
+    "chain-t1-k3": (3, 0, dict(temperature=1.0), 0),
+    "siblings2-t1-topp0.9": (1, 1, dict(temperature=1.0, top_p=0.9), 0),
+    "siblings4-t0.5-topk6": (1, 3, dict(temperature=0.5, top_k=6), 0),
+    "siblings4x2-t1.5-topp0.9-topk5": (2, 5, dict(temperature=1.5, top_p=0.9, top_k=5), 0),
+    "lookup-siblings2-t1-k2": (2, 2, dict(temperature=1.0), 2),
+}
+TREE_TOKENS = 4
+
+
+def exact_marginals(model, settings: dict, positions: int) -> list[np.ndarray]:
+    """P(x_i) of vanilla sampling for each of the first `positions` new tokens, exactly: every sequence of the
+    first positions - 1 tokens is fed in one batch, and the chain rule sums over them."""
+    n, v = len(PROMPT), VOCAB
+    prefixes = torch.cartesian_prod(*[torch.arange(v)] * (positions - 1)).reshape(-1, positions - 1)
+    seqs = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), n), prefixes], 1)
+    with torch.inference_mode():
+        logits = model(input_ids=seqs).logits.float()
+    warp = warpers(settings)
+    probs = torch.softmax(warp(None, logits.reshape(-1, v)), -1).reshape(len(prefixes), -1, v).double()
+    weight = torch.ones(len(prefixes), dtype=torch.float64)  # P(prefix up to position i), per row
+    marginals = []
+    for i in range(positions):
+        step = probs[:, n - 1 + i]  # (rows, V): p(x_{i+1} | prompt, prefix[:i])
+        # rows sharing a prefix of length i give the same p; count each such prefix once
+        once = weight / v ** (positions - 1 - i)
+        marginals.append((once[:, None] * step).sum(0).numpy())
+        if i < positions - 1:
+            weight = weight * step[torch.arange(len(prefixes)), prefixes[:, i]]
+    return marginals
+
+
+def draw_tree(sat_model: SatModel, k: int, extra: int, settings: dict, seeds: range,
+              lookup_tokens: int = 0) -> tuple[list[Counter], Counter, Counter]:
+    """Per position, counts of the first TREE_TOKENS tokens of seeded SDSAT runs; counts of verification
+    outcomes; and how many siblings were tried at a position (how often a later sibling was reached)."""
+    per_position, outcomes, siblings = [Counter() for _ in range(TREE_TOKENS)], Counter(), Counter()
+    for seed in seeds:
+        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=TREE_TOKENS + 1, tree_candidates=extra,
+                              lookup_tokens=lookup_tokens, lookup_ngram=1,
+                              sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
+        result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+        for i, token in enumerate(result.token_ids[:TREE_TOKENS]):
+            per_position[i][token] += 1
+        for step in result.steps:
+            outcomes["accepted"] += step.accepted
+            outcomes["lookup"] += step.draft_source == "lookup"
+            tried = Counter(test.depth for test in step.accept_tests)
+            siblings.update(tried.values())
+            outcomes["rejection"] += any(test.replacement is not None for test in step.accept_tests)
+    return per_position, outcomes, siblings
+
+
+def marginal_fit(counts: Counter, marginal: np.ndarray) -> float:
+    """Chi-square p-value of one position's token counts against its exact marginal; rare tokens pooled."""
+    total = sum(counts.values())
+    observed = np.array([counts[t] for t in range(VOCAB)], dtype=float)
+    expected = marginal * total
+    assert observed[expected == 0].sum() == 0, "sampled a token the warpers rule out"
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    rare = expected < 5
+    obs, exp = observed[~rare], expected[~rare]
+    if rare.any():
+        obs, exp = np.append(obs, observed[rare].sum()), np.append(exp, expected[rare].sum())
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def tree_p_values(sat_model: SatModel, name: str) -> tuple[list[float], Counter, Counter]:
+    k, extra, settings, lookup_tokens = TREES[name]
+    marginals = exact_marginals(sat_model.model, settings, TREE_TOKENS)
+    counts, outcomes, siblings = draw_tree(sat_model, k, extra, settings, range(SAMPLES), lookup_tokens)
+    return [marginal_fit(c, m) for c, m in zip(counts, marginals)], outcomes, siblings
+
+
+@pytest.mark.parametrize("name", TREES)
+def test_tree_sampling_gives_every_position_the_distribution_of_vanilla_sampling(sat_model: SatModel, name: str):
+    """Multi-draft rejection sampling over a draft tree: each of the first four tokens follows vanilla
+    sampling's exact distribution, with siblings really tried (a later sibling is often reached)."""
+    k, extra, _, lookup_tokens = TREES[name]
+    p_values, outcomes, siblings = tree_p_values(sat_model, name)
+    assert outcomes["accepted"] > SAMPLES // 5 and outcomes["rejection"] > SAMPLES // 5, outcomes
+    if extra:
+        assert sum(n for tried, n in siblings.items() if tried > 1) > SAMPLES // 10, siblings
+    if extra >= 3 and k == 1:
+        assert siblings[4] > SAMPLES // 50, siblings  # all four siblings tried at one position
+    assert (outcomes["lookup"] > SAMPLES // 10) == bool(lookup_tokens), outcomes
+    assert min(p_values) > ALPHA, p_values
+
+
+@pytest.mark.parametrize("bias", ["first sibling accepted untested", "later siblings tested against q"])
+def test_a_biased_tree_sampler_fails_the_same_test(sat_model: SatModel, monkeypatch, bias: str):
+    """The test has power: accepting the first sibling without its test, or testing later siblings against q
+    instead of q less the earlier draws, each shift some position far beyond the test's tolerance."""
+    honest = TokenChooser.try_siblings
+
+    def biased(self, p, q, draws, ranks, depth):
+        if bias.startswith("first"):
+            return 0, None, [AcceptTest(depth=depth, token=draws[ranks[0]], p=1.0, q=1.0, u=0.0, accepted=True)]
+        # q never loses the earlier draws: pretend each sibling was drawn first
+        residual, tests = p, []
+        for i, rank in enumerate(ranks):
+            taken, token, tried = honest(self, residual, q, [draws[rank]], [0], depth)
+            tests += tried
+            if taken is not None:
+                return i, None, tests
+            left = (residual - q).clamp(min=0)
+            residual = left / left.sum() if left.sum() > 0 else residual
+        return None, token, tests
+
+    monkeypatch.setattr(TokenChooser, "try_siblings", biased)
+    p_values, _, _ = tree_p_values(sat_model, "siblings4-t0.5-topk6")
+    assert min(p_values) < ALPHA, p_values
+
+
+def test_a_seed_gives_the_same_sampled_output_twice_with_and_without_a_tree(sat_model: SatModel):
+    outputs = {}
+    for extra in (0, 3):
+        for run in range(2):
+            config = DecodeConfig(method="sdsat", k=2, max_new_tokens=12, tree_candidates=extra,
+                                  sampling=SamplingConfig(do_sample=True, temperature=1.0, seed=7))
+            outputs[extra, run] = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[])).token_ids
+    assert outputs[0, 0] == outputs[0, 1] and outputs[3, 0] == outputs[3, 1]

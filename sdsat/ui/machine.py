@@ -165,7 +165,7 @@ def race_costs(engine: Engine, config: DecodeConfig, sdsat: GenerationResult, ac
     curve = tuning.curves.get(dtype) if tuning is not None else None
     if curve is None or tuning.forms.get(dtype, form_of(engine.model)) != form_of(engine.model):
         return None  # not measured in the numerics this race ran in
-    settings = Settings(config.scheme, config.k, config.lookup_tokens, config.tree_candidates_used)
+    settings = Settings(config.scheme, config.k, config.lookup_tokens, config.tree_candidates)
     predicted = None
     if tuning.trace is not None and tuning.trace.prompts:
         predicted = predict(tuning.trace, settings, curve, curve.one_token_s).speedup

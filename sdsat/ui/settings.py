@@ -141,7 +141,7 @@ class RunRequest:
         config, sampling = self.config, self.config.sampling
         return {"model": self.model, "chat": self.chat, "mode": self.mode, "k": config.k,
                 "max_new_tokens": config.max_new_tokens, "lookup_tokens": config.lookup_tokens,
-                "tree_candidates": config.tree_candidates_used} | (
+                "tree_candidates": config.tree_candidates} | (
             {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
              "seed": sampling.seed} if sampling.do_sample else {})
 
