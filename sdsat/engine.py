@@ -133,7 +133,9 @@ class Engine:
         tuning = self.tuning
         plan = None
         if tuning is not None:
-            plan = tuning.plan if not config.sampling.do_sample else tuning.plan_for(SCHEMES, greedy=False)
+            sampling = config.sampling
+            plan = tuning.plan if not sampling.do_sample else tuning.plan_for(
+                SCHEMES, greedy=False, temperature=sampling.temperature, top_p=sampling.top_p)
         if plan is None:
             settings = dict(FALLBACK, scheme="two_step",
                             tree_candidates=0 if config.sampling.do_sample else FALLBACK["tree_candidates"])

@@ -26,7 +26,7 @@ from .tree import MAX_EXTRA, DraftTree
 TRACE_FILE = "acceptance.json"
 LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turns lookup on
 # auto without a plan (SATs without an acceptance trace, a machine not measured yet): the settings measured
-# fastest on the AMD EPYC of docs/results.md; sampling drops the tree, which is greedy only
+# fastest on the AMD EPYC of docs/results.md; sampling without a plan drops the tree
 FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
 LOOKUP_NGRAM = 2
 MARGIN = 0.03  # predicted speed-ups this close count as a tie (see `choose`)
@@ -54,24 +54,77 @@ class PromptTrace:
 
 
 @dataclass
+class SampledAcceptance:
+    """How often sampled drafts pass the accept test at one sampling setting, measured over sampled decodes
+    with the largest draft tree and prompt lookup (`python -m sdsat.bench.acceptance`)."""
+
+    temperature: float
+    top_p: float
+    tries: list[list[float]]  # tries[d - 1][i]: the chance that the sibling tried (i + 1)-th at depth d passes,
+    # given that it was tried (the earlier ones at that node having failed)
+    copies: list[float]  # copies[j - 1]: the chance that copy j passes, given that copies 1..j - 1 did
+
+    def rate(self, depth: int, attempt: int) -> float:
+        """tries[depth - 1][attempt], 0 where nothing was measured."""
+        row = self.tries[depth - 1] if depth <= len(self.tries) else []
+        return row[attempt] if attempt < len(row) else 0.0
+
+    def expected_drafts(self, tree: DraftTree) -> float:
+        """Expected accepted drafts of a verify pass over `tree`: at each node its children are tried in rank
+        (draw) order, the i-th passing with rate(depth, i), and an accepted child's subtree is walked next."""
+        def below(node: int, depth: int) -> float:
+            children = sorted(tree.children.get(node, []), key=lambda c: tree.paths[c][-1])
+            reach, total = 1.0, 0.0
+            for attempt, child in enumerate(children):
+                passed = reach * self.rate(depth, attempt)
+                total += passed * (1 + below(child, depth + 1))
+                reach -= passed
+            return total
+        return below(-1, 1)
+
+    def expected_copies(self, copies: int) -> float:
+        """Expected accepted copies of `copies` verified as a chain."""
+        chance, total = 1.0, 0.0
+        for j in range(copies):
+            chance *= self.copies[j] if j < len(self.copies) else 0.0
+            total += chance
+        return total
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p,
+                "tries": [[round(r, 4) for r in row] for row in self.tries],
+                "copies": [round(c, 4) for c in self.copies]}
+
+
+@dataclass
 class Trace:
     """Acceptance traces of one adapter (what `python -m sdsat.bench.acceptance` writes)."""
 
     prompts: list[PromptTrace]
     depth: int  # SATs measured per position
     source: str = ""  # which prompts, model and command
+    sampled: list[SampledAcceptance] = field(default_factory=list)  # per sampling setting measured
 
     def save(self, path: Path) -> None:
         rows = [{"prompt_ids": p.prompt_ids, "output_ids": p.output_ids,
                  "ranks": ["".join(str(min(r, MISSED)) for r in row) for row in p.ranks]} for p in self.prompts]
-        path.write_text(json.dumps({"depth": self.depth, "source": self.source, "prompts": rows}) + "\n")
+        path.write_text(json.dumps({"depth": self.depth, "source": self.source, "prompts": rows,
+                                    "sampled": [s.to_dict() for s in self.sampled]}) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> "Trace":
         data = json.loads(Path(path).read_text())
         prompts = [PromptTrace(p["prompt_ids"], p["output_ids"], [[int(c) for c in row] for row in p["ranks"]])
                    for p in data["prompts"]]
-        return cls(prompts, int(data["depth"]), data.get("source", ""))
+        sampled = [SampledAcceptance(float(s["temperature"]), float(s["top_p"]), s["tries"], s["copies"])
+                   for s in data.get("sampled", [])]
+        return cls(prompts, int(data["depth"]), data.get("source", ""), sampled)
+
+    def sampled_at(self, temperature: float, top_p: float = 1.0) -> SampledAcceptance | None:
+        """The measured sampling setting nearest to (temperature, top_p), or None when none was measured."""
+        if not self.sampled:
+            return None
+        return min(self.sampled, key=lambda s: (abs(s.temperature - temperature), abs(s.top_p - top_p)))
 
 
 @dataclass(frozen=True)
@@ -123,6 +176,40 @@ def _accepted(tree: DraftTree, ranks: list[int]) -> int:
             break
         accepted += 1
     return accepted
+
+
+def replay_sampled(trace: PromptTrace, settings: Settings, curve: CostCurve,
+                   sampled: SampledAcceptance) -> tuple[int, int, float]:
+    """Replay one decode under `settings` when sampling: where prompt lookup finds copies is read from the
+    trace's text, and each verify pass yields its expected accepted drafts or copies at `sampled`'s rates."""
+    total, k, lookup = len(trace.output_ids), settings.k, settings.lookup_tokens
+    tree = DraftTree.for_k(k, settings.tree_candidates)
+    drafts, verify_s = sampled.expected_drafts(tree), curve.tree_s(k, settings.tree_candidates)
+    n, passes, seconds = 0.0, 0, 0.0
+
+    def copies(at: float) -> int:
+        return len(trace.copies(int(at), lookup)[:total - int(at)]) if lookup and at < total else 0
+
+    if settings.scheme == "fused":
+        chain = sampled.expected_drafts(DraftTree.for_k(k, 0))
+        fused_s = curve.draft_s(k) * curve.pass_s((k + 1) ** 2) / curve.pass_s(k + 1)
+        iterations = max(0.0, (total - 1) / (chain + 1))
+        return total, 1 + round(iterations), curve.draft_s(k) + iterations * fused_s
+    while n < total:
+        width = copies(n) if n else 0
+        if width:  # lookup_direct
+            seconds, passes, n = seconds + curve.pass_s(1 + width), passes + 1, n + sampled.expected_copies(width) + 1
+            continue
+        seconds, passes, n = seconds + curve.draft_s(k), passes + 1, n + 1
+        if n >= total:
+            break
+        width = copies(n)
+        if width:  # lookup_after_draft
+            seconds, n = seconds + curve.pass_s(1 + width), n + sampled.expected_copies(width) + 1
+        else:
+            seconds, n = seconds + verify_s, n + drafts + 1
+        passes += 1
+    return total, passes, seconds
 
 
 def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[int, int, float]:
@@ -179,7 +266,8 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
 
 def candidates(max_k: int, greedy: bool = True, depth: int | None = None,
                schemes: tuple[str, ...] = SCHEMES) -> list[Settings]:
-    """Every setting the planner weighs: the chain, trees (greedy only) and prompt lookup per k, and fused."""
+    """Every setting the planner weighs: the chain, trees and prompt lookup per k, and fused; `greedy` False
+    (sampling with no sampled acceptance measured) leaves trees out, which the greedy replay cannot price."""
     top = min(max_k, depth or max_k)
     out = []
     for k in range(1, top + 1):
@@ -202,11 +290,14 @@ def _width(settings: Settings) -> int:
     return 1 + len(DraftTree.for_k(settings.k, settings.tree_candidates).paths)
 
 
-def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: float) -> Prediction:
-    """Median over prompts of the replayed speed-up against a vanilla decode at `baseline_s` per token."""
+def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: float,
+            sampled: SampledAcceptance | None = None) -> Prediction:
+    """Median over prompts of the replayed speed-up against a vanilla decode at `baseline_s` per token; with
+    `sampled`, the sampled replay at its rates."""
     ratios, same, tokens, passes = [], [], 0, 0
     for prompt in trace.prompts:
-        n, p, seconds = replay(prompt, settings, curve)
+        n, p, seconds = replay(prompt, settings, curve) if sampled is None else replay_sampled(
+            prompt, settings, curve, sampled)
         ratios.append(n * baseline_s / seconds)
         same.append(n * curve.one_token_s / seconds)
         tokens, passes = tokens + n, passes + p
@@ -215,13 +306,17 @@ def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: floa
 
 def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = True,
            usable: set[str] | None = None, schemes: tuple[str, ...] = SCHEMES,
-           baseline: tuple[str, float] | None = None, names: dict[str, str] | None = None) -> Plan:
+           baseline: tuple[str, float] | None = None, names: dict[str, str] | None = None,
+           temperature: float = 1.0, top_p: float = 1.0) -> Plan:
     """The setting and precision with the best predicted speed-up over the fastest vanilla decoding.
 
     `usable`: the precisions SDSAT may decode in (tuning.py's rule); `baseline`: the fastest vanilla
     decoding as (name, seconds per token), by default the fastest one-token pass among `curves`, usable
-    or not; `names`: how the reason names each precision (e.g. with its kernel form).
+    or not; `names`: how the reason names each precision (e.g. with its kernel form). Sampling (`greedy`
+    False) at `temperature` and `top_p` replays at the trace's nearest measured sampled acceptance, trees
+    included; a trace without one replays greedily, without trees.
     """
+    sampled = None if greedy else trace.sampled_at(temperature, top_p)
     names = names or {}
     if baseline is None:
         fastest = min(curves, key=lambda c: c.one_token_s)
@@ -231,8 +326,8 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
     for curve in curves:
         if usable is not None and curve.dtype not in usable:
             continue
-        for settings in candidates(max_k, greedy, trace.depth, schemes):
-            scored.append((predict(trace, settings, curve, baseline[1]), curve.dtype))
+        for settings in candidates(max_k, greedy or sampled is not None, trace.depth, schemes):
+            scored.append((predict(trace, settings, curve, baseline[1], sampled), curve.dtype))
     if not scored:
         raise ValueError("no precision is usable for SDSAT on this machine")
     # Best predicted speed-up, and among the settings predicted within MARGIN of it the narrowest (fewest
@@ -248,6 +343,8 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
     what = (f"{s.scheme} k={s.k}" + (f", prompt lookup {s.lookup_tokens}" if s.lookup_tokens else "")
             + (f", draft tree +{s.tree_candidates}" if s.tree_candidates else ""))
     where = names.get(dtype, dtype)
+    if sampled is not None:
+        what += f", sampling at T={sampled.temperature:g}" + (f" top-p {sampled.top_p:g}" if sampled.top_p < 1 else "")
     if best.speedup > 1:
         reason = (f"{what} in {where}: predicted {best.speedup:.2f}× the fastest vanilla ({baseline_text}), "
                   f"{best.tokens_per_pass:.2f} tokens per pass")

@@ -66,15 +66,23 @@ class Tuning:
     trace: Trace | None = field(default=None, repr=False)
     max_k: int = 0
     noisy: dict[str, bool] = field(default_factory=dict)  # by precision: measured while the cores were busy
+    _plans: dict = field(default_factory=dict, repr=False, compare=False)  # plan_for's other plans, kept
 
-    def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True) -> Plan | None:
-        """The plan among `schemes` only (the page has no fused control), in the precision the model is in."""
+    def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True, temperature: float = 1.0,
+                 top_p: float = 1.0) -> Plan | None:
+        """The plan among `schemes` only (the page has no fused control), in the precision the model is in;
+        for sampling (`greedy` False) at `temperature` and `top_p`, priced at the trace's sampled acceptance."""
         if self.plan is None or self.trace is None:
             return None
-        if self.plan.settings.scheme in schemes and (greedy or not self.plan.settings.tree_candidates):
+        if greedy and self.plan.settings.scheme in schemes:
             return self.plan
-        return choose(list(self.curves.values()), self.trace, self.max_k, greedy, usable={self.plan.dtype},
-                      schemes=schemes, baseline=self.baseline, names=self.names)
+        sampled = None if greedy else self.trace.sampled_at(temperature, top_p)
+        key = (schemes, greedy, sampled and (sampled.temperature, sampled.top_p))
+        if key not in self._plans:  # a replay of every setting: worth keeping per request kind
+            self._plans[key] = choose(list(self.curves.values()), self.trace, self.max_k, greedy,
+                                      usable={self.plan.dtype}, schemes=schemes, baseline=self.baseline,
+                                      names=self.names, temperature=temperature, top_p=top_p)
+        return self._plans[key]
 
     @property
     def names(self) -> dict[str, str]:

@@ -227,12 +227,12 @@ def test_prompt_files(tmp_path):
 def test_plan_variants_rejects_bad_settings():
     variants = plan_variants(["sdsat_sample", "vanilla"], [1], 3, [0.2, 1.0], 10, max_k=8)
     assert variants == [Variant("vanilla"), Variant("sdsat_sample", 3, 0.2), Variant("sdsat_sample", 3, 1.0)]
-    # Trees are greedy only: sampling runs the tree schemes as their chains, once.
+    # Trees sample too: each recipe runs once per method.
     variants = plan_variants(["sdsat_greedy", "sdsat_sample"], [2], 3, [1.0], 10, max_k=8,
                              recipes=("tree", "two_step", "lookup_tree"))
     assert [(v.method, v.recipe) for v in variants] == [
         ("sdsat_greedy", "tree"), ("sdsat_greedy", "two_step"), ("sdsat_greedy", "lookup_tree"),
-        ("sdsat_sample", "two_step"), ("sdsat_sample", "lookup")]
+        ("sdsat_sample", "tree"), ("sdsat_sample", "two_step"), ("sdsat_sample", "lookup_tree")]
     with pytest.raises(ValueError, match="--tree-candidates must be between 1 and 8 for the tree recipes "
                                          r"\(--schemes tree, lookup_tree\), got 0"):
         plan_variants(["sdsat_greedy"], [2], 3, [1.0], 10, max_k=8, recipes=("lookup_tree",), tree_candidates=0)
@@ -480,15 +480,16 @@ def test_auto_and_baseline_variants_are_named_by_what_they_run():
     sampled = AutoChoice(Settings("fused", 2, 0, 0), {"settings": {}, "plan": {"reason": "r"}, "note": ""})
     # --k and --sample-k do not apply to auto: a k outside the SATs' range is no error when only auto runs.
     variants = plan_variants(["sdsat_sample", "vanilla", "sdsat_greedy"], [9], 9, [1.0], 10, max_k=5,
-                             recipes=("auto",), auto=(greedy, sampled), baselines=("bfloat16",))
+                             recipes=("auto",), auto=(greedy, {1.0: sampled}), baselines=("bfloat16",))
     assert [v.label for v in variants] == ["vanilla", "vanilla bfloat16", "sdsat_greedy auto (k=3 +lookup+tree8)",
                                            "sdsat_sample T=1 auto (k=2 fused)"]
     assert variants[1].precision == "bfloat16" and variants[2].k == 3 and variants[3].auto is sampled
     with pytest.raises(ValueError, match="--schemes must be among two_step, fused, lookup, tree, lookup_tree, auto"):
         plan_variants(["sdsat_greedy"], [1], 1, [1.0], 10, max_k=5, recipes=("medusa",))
     # Without an acceptance trace there is no plan: the defaults run, and the runs say why.
-    plain, plain_sampled = auto_choices(Tuning(note="no acceptance trace ships with these SATs"), max_k=2)
-    assert plain.settings == plain_sampled.settings == Settings("two_step", 2, 0, 0)
+    plain, plain_sampled = auto_choices(Tuning(note="no acceptance trace ships with these SATs"), max_k=2,
+                                        temperatures=[0.7])
+    assert plain.settings == plain_sampled[0.7].settings == Settings("two_step", 2, 0, 0)
     assert plain.record == {"settings": {"scheme": "two_step", "k": 2, "lookup_tokens": 0, "tree_candidates": 0},
                             "plan": None, "note": "no acceptance trace ships with these SATs"}
     run = {"method": "sdsat_greedy", "k": 2, "temperature": None, "scheme": "auto", "auto": plain.record}

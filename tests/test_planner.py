@@ -10,8 +10,8 @@ import random
 import pytest
 
 from sdsat.costs import CostCurve
-from sdsat.planner import MISSED, PromptTrace, Settings, Trace, choose, predict, replay
-from sdsat.tree import MAX_EXTRA
+from sdsat.planner import MISSED, PromptTrace, SampledAcceptance, Settings, Trace, choose, predict, replay
+from sdsat.tree import MAX_EXTRA, DraftTree
 
 
 def curve(cost, dtype="float32", one=0.04, sat_overhead=1.1) -> CostCurve:
@@ -159,9 +159,43 @@ def test_usable_precision_that_is_faster_is_chosen():
     assert plan.dtype == "bfloat16"
 
 
-def test_sampling_plans_have_no_tree():
+def test_sampling_without_a_sampled_acceptance_plans_no_tree():
+    """The greedy replay cannot price a sampled tree: without a measured sampled acceptance, no tree."""
     plan = choose([curve(FLAT)], synthetic_trace(), max_k=6, greedy=False)
     assert plan.settings.tree_candidates == 0
+
+
+def sampled(tries, copies=(0.5,) * 10, temperature=1.0, top_p=1.0) -> SampledAcceptance:
+    return SampledAcceptance(temperature, top_p, [list(row) for row in tries], list(copies))
+
+
+def test_expected_drafts_of_a_sampled_tree_follow_the_try_order():
+    rates = sampled([[0.5, 0.4, 0.2], [0.6, 0.3]])
+    assert rates.expected_drafts(DraftTree.for_k(1, 0)) == pytest.approx(0.5)
+    # (0,) then (1,): the second try passes 0.4 of the half that reached it
+    assert rates.expected_drafts(DraftTree.for_k(1, 1)) == pytest.approx(0.5 + 0.5 * 0.4)
+    # chain of 2: 0.5 * (1 + 0.6)
+    assert rates.expected_drafts(DraftTree.for_k(2, 0)) == pytest.approx(0.5 * 1.6)
+    assert rates.expected_copies(3) == pytest.approx(0.5 + 0.25 + 0.125)
+
+
+def test_sampling_plans_a_tree_where_later_siblings_pass_and_not_where_they_fail():
+    trace = synthetic_trace()
+    helpful = sampled([[0.4, 0.5, 0.5, 0.5], [0.4, 0.5, 0.5], [0.4, 0.5], [0.4]])
+    useless = sampled([[0.4, 0.0, 0.0, 0.0], [0.4, 0.0, 0.0], [0.4, 0.0], [0.4]], temperature=0.3)
+    trace.sampled = [helpful, useless]
+    steep_rows = curve(lambda w: 1.0 + 0.02 * (w - 1))  # near-flat: candidates are cheap
+    assert choose([steep_rows], trace, max_k=4, greedy=False, temperature=1.0).settings.tree_candidates > 0
+    plan = choose([steep_rows], trace, max_k=4, greedy=False, temperature=0.2)  # nearest measured: useless
+    assert plan.settings.tree_candidates == 0 and "sampling at T=0.3" in plan.reason
+
+
+def test_sampled_acceptance_round_trips_through_the_trace_file(tmp_path):
+    trace = synthetic_trace(prompts=2, length=20)
+    trace.sampled = [sampled([[0.5, 0.25]], copies=[0.75], temperature=0.7, top_p=0.95)]
+    trace.save(tmp_path / "acceptance.json")
+    again = Trace.load(tmp_path / "acceptance.json")
+    assert again.sampled == trace.sampled and again.sampled_at(0.8, 0.9) == trace.sampled[0]
 
 
 def test_trace_round_trips_through_its_file(tmp_path):

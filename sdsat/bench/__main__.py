@@ -38,7 +38,7 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
                       help="SDSAT recipes to race (a decoding scheme with prompt lookup and the draft tree on or off): "
                            "two_step (the paper), fused, lookup (two_step with "
                            "prompt lookup's copies, --lookup-tokens of them, verified when found), tree (two_step "
-                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups; greedy only), "
+                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups, sampled: further draws), "
                            "lookup_tree (both) and/or auto (scheme, k, lookup and tree from this machine's tuning; "
                            "ignores --k and --sample-k) (default two_step)")
     what.add_argument("--sample-k", type=int, metavar="K",
@@ -213,7 +213,8 @@ def _prepare(args) -> _Bench:
     # The auto recipe's plan; tuning may move the model to the precision it chose, before anything is timed.
     wants_auto = AUTO in args.schemes and any(m.startswith("sdsat") for m in args.methods)
     # A kept measurement taken under load is measured again: a benchmark's plan is never a busy spell's.
-    auto = auto_choices(engine.tune(remeasure="noisy"), engine.max_k) if wants_auto else None
+    auto = (auto_choices(engine.tune(remeasure="noisy"), engine.max_k, args.temperatures, args.top_p)
+            if wants_auto else None)
     k_list = args.k if args.k else list(range(1, engine.max_k + 1))
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
                          temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,

@@ -2,21 +2,28 @@
 
 For each prompt: vanilla's greedy output, then, at every output position, one draft pass [t, SAT×K]
 over the true history, recording where each true next token ranks among the SAT's choices
-(planner.py). The trace depends on the model and its SATs, not on the machine, so it is measured once
-and shipped next to the adapter (`acceptance.json`). The default prompts are HumanEval's last 16
-problems, kept apart from the benchmark's headline subset (0–15).
+(planner.py). Then, per sampling setting (T = 0.7 with top-p 0.95, and T = 1), sampled decodes of the
+same prompts with the largest draft tree and prompt lookup: how often the i-th sibling tried at each
+depth passes its accept test, and how often each copy does (`SampledAcceptance`), which the planner
+prices sampled settings with. The trace depends on the model and its SATs, not on the machine, so it
+is measured once and shipped next to the adapter (`acceptance.json`). The default prompts are
+HumanEval's last 16 problems, kept apart from the benchmark's headline subset (0–15).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from ..planner import MISSED, TRACE_FILE, PromptTrace, Trace
+from ..planner import LOOKUP_TOKENS, MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Trace
+from ..tree import MAX_EXTRA
+
+SAMPLED = ((0.7, 0.95), (1.0, 1.0))  # (temperature, top_p) of the sampled acceptance measured
 
 
 def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> list[list[int]]:
@@ -45,6 +52,36 @@ def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: 
     return ranks
 
 
+def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_new_tokens: int) -> SampledAcceptance:
+    """Pass rates of sampled accept tests over seeded decodes of `prompts` with k = the SATs' depth, every
+    runner-up of the draft tree and prompt lookup: per depth and try, and per copy."""
+    from ..config import DecodeConfig
+    from ..sampling import SamplingConfig
+
+    tried, passed = Counter(), Counter()  # by ("sat", depth, attempt) or ("copy", position)
+    for seed, prompt in enumerate(prompts):
+        config = DecodeConfig(method="sdsat", k=engine.max_k, max_new_tokens=max_new_tokens,
+                              tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS,
+                              sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p, seed=seed))
+        for step in engine.generate(prompt.text, config).steps:
+            attempts = Counter()
+            for test in step.accept_tests:
+                if step.draft_source == "lookup":
+                    key = ("copy", test.depth)
+                else:
+                    key = ("sat", test.depth, attempts[test.depth])
+                    attempts[test.depth] += 1
+                tried[key] += 1
+                passed[key] += test.accepted
+    sats = [key for key in tried if key[0] == "sat"]
+    depth = max((key[1] for key in sats), default=0)
+    rows = [[passed["sat", d, i] / tried["sat", d, i] for i in range(1 + max(a for _, dd, a in sats if dd == d))]
+            for d in range(1, depth + 1)]
+    longest = max((key[1] for key in tried if key[0] == "copy"), default=0)
+    return SampledAcceptance(temperature, top_p, rows,
+                             [passed["copy", j] / tried["copy", j] for j in range(1, longest + 1)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdsat.bench.acceptance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
     parser.add_argument("--out", metavar="FILE",
                         help=f"where to write the trace (default: {TRACE_FILE} in the model's adapter folder)")
+    parser.add_argument("--sampled-only", action="store_true",
+                        help="keep the greedy trace in --out and measure the sampled acceptance again (default off)")
     args = parser.parse_args(argv)
 
     from ..config import DecodeConfig
@@ -70,15 +109,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is needed for a model whose SATs are not an adapter folder")
     out = Path(args.out or Path(engine.sat_model.spec.adapter) / TRACE_FILE)
     depth = engine.max_k
-    traces = []
-    for prompt in humaneval_prompts(args.subset):
-        ids = engine.encode(prompt.text)
-        result = engine.generate(prompt.text, DecodeConfig(method="vanilla", max_new_tokens=args.max_new_tokens))
-        traces.append(PromptTrace(ids, result.token_ids, ranks_along(engine.sat_model, ids, result.token_ids, depth)))
-        print(f"{prompt.name}: {len(result.token_ids)} tokens", file=sys.stderr)
+    prompts = humaneval_prompts(args.subset)
     source = (f"HumanEval {args.subset}, {engine.name}, greedy, {args.max_new_tokens} new tokens: "
               f"python -m sdsat.bench.acceptance --subset {args.subset} --max-new-tokens {args.max_new_tokens}")
-    Trace(traces, depth, source).save(out)
+    if args.sampled_only:
+        trace = Trace.load(out)
+    else:
+        traces = []
+        for prompt in prompts:
+            ids = engine.encode(prompt.text)
+            result = engine.generate(prompt.text, DecodeConfig(method="vanilla", max_new_tokens=args.max_new_tokens))
+            ranks = ranks_along(engine.sat_model, ids, result.token_ids, depth)
+            traces.append(PromptTrace(ids, result.token_ids, ranks))
+            print(f"{prompt.name}: {len(result.token_ids)} tokens", file=sys.stderr)
+        trace = Trace(traces, depth, source)
+    trace.sampled = []
+    for temperature, top_p in SAMPLED:
+        trace.sampled.append(sampled_acceptance(engine, prompts, temperature, top_p, args.max_new_tokens))
+        print(f"sampled T={temperature:g} top-p {top_p:g}: {trace.sampled[-1].to_dict()}", file=sys.stderr)
+    trace.save(out)
     print(f"wrote {out}")
     return 0
 

@@ -11,10 +11,10 @@ Methods (names used by `--methods` and in every output):
 SDSAT recipes (the entries of `--schemes`; a recipe is a DecodeConfig.scheme with prompt lookup and
 the draft tree on or off): two_step (the paper), fused, lookup: two_step where prompt lookup's copies,
 when there are any, are verified in place of a SAT draft step (`DecodeConfig.lookup_tokens`), tree:
-two_step whose verify pass also checks the SATs' runner-up candidates (`DecodeConfig.tree_candidates`;
-greedy only, so sampling runs it as the chain and lists it under two_step), and lookup_tree: both.
-The recipe `auto` takes scheme, k, lookup and tree from the engine's tuning (`Engine.tune().plan`;
-sampled runs the plan without the tree) and ignores the k sweep.
+two_step whose verify pass also checks the SATs' runner-up candidates, or under sampling further draws
+(`DecodeConfig.tree_candidates`), and lookup_tree: both. The recipe `auto` takes scheme, k, lookup and
+tree from the engine's tuning (`Engine.tune().plan`; sampled runs its plan for sampling at their
+temperature and top-p) and ignores the k sweep.
 
 Vanilla may also run on a second engine in another precision (`Variant.precision`, labelled e.g.
 "vanilla bfloat16"): the fastest plain decoding of any precision is the headline's baseline.
@@ -61,14 +61,6 @@ AUTO = "auto"  # the recipe whose settings come from the engine's tuning
 SCHEME_CHOICES = (*RECIPES, AUTO)  # what --schemes accepts
 
 
-def _without_tree(recipe: str) -> str:
-    """What sampling runs for a recipe: trees are greedy only, so a tree recipe samples as its chain."""
-    if recipe == AUTO:
-        return AUTO  # its sampled plan has no tree already
-    parts = RECIPES[recipe]
-    return "lookup" if parts.lookup else parts.scheme
-
-
 @dataclass(frozen=True)
 class AutoChoice:
     """What the auto recipe decodes with, and the record each of its runs carries (JSON field "auto")."""
@@ -77,19 +69,19 @@ class AutoChoice:
     record: dict = field(default_factory=dict, compare=False, hash=False)  # {"settings", "plan", "note"}
 
 
-def auto_choices(tuning: Tuning, max_k: int) -> tuple[AutoChoice, AutoChoice]:
-    """The auto recipe's (greedy, sampled) choices from a tuning: its plan, and for sampling the plan without
-    a tree (`plan_for(greedy=False)`); without a plan (no acceptance trace) the default settings and the note."""
-    choices = []
-    for greedy in (True, False):
-        plan = tuning.plan_for(SCHEMES, greedy=greedy)
+def auto_choices(tuning: Tuning, max_k: int, temperatures: list[float] = (), top_p: float = 1.0,
+                 ) -> tuple[AutoChoice, dict[float, AutoChoice]]:
+    """The auto recipe's choices from a tuning: its greedy plan, and per sampling temperature the plan for
+    sampling at it (`plan_for(greedy=False)`); without a plan (no acceptance trace) the default settings
+    and the note."""
+    def choice(plan) -> AutoChoice:
         settings = plan.settings if plan is not None else Settings()
-        settings = Settings(settings.scheme, min(settings.k, max_k), settings.lookup_tokens,
-                            settings.tree_candidates if greedy else 0)
-        record = {"settings": asdict(settings), "plan": plan.to_dict() if plan is not None else None,
-                  "note": tuning.note}
-        choices.append(AutoChoice(settings, record))
-    return choices[0], choices[1]
+        settings = Settings(settings.scheme, min(settings.k, max_k), settings.lookup_tokens, settings.tree_candidates)
+        return AutoChoice(settings, {"settings": asdict(settings), "plan": plan.to_dict() if plan is not None else None,
+                                     "note": tuning.note})
+
+    sampled = {t: choice(tuning.plan_for(SCHEMES, greedy=False, temperature=t, top_p=top_p)) for t in temperatures}
+    return choice(tuning.plan_for(SCHEMES, greedy=True)), sampled
 
 
 @dataclass(frozen=True)
@@ -147,7 +139,8 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
                   baselines: tuple[str, ...] = ()) -> list[Variant]:
     """The variants of a run, in a fixed order (vanilla first when present).
 
-    `auto`: the auto recipe's (greedy, sampled) choices (`auto_choices`), needed when `recipes` names it.
+    `auto`: the auto recipe's (greedy, per temperature sampled) choices (`auto_choices`), needed when
+    `recipes` names it.
     `baselines`: precisions vanilla also runs in, each on its own engine (with vanilla only).
     """
     _check_settings(methods, k_list, sample_k, temperatures, max_k, recipes, tree_candidates)
@@ -167,10 +160,11 @@ def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperat
         elif method == "vanilla_sample":
             variants.extend(Variant(method, temperature=t) for t in temperatures)
         elif method == "sdsat_sample":
-            for r in dict.fromkeys(_without_tree(r) for r in recipes):
-                choice = auto[1] if r == AUTO and auto is not None else None
-                k = choice.settings.k if choice else sample_k
-                variants.extend(Variant(method, k=k, temperature=t, recipe=r, auto=choice) for t in temperatures)
+            for r in fixed:
+                variants.extend(Variant(method, k=sample_k, temperature=t, recipe=r) for t in temperatures)
+            if auto is not None and AUTO in recipes:
+                variants.extend(Variant(method, k=auto[1][t].settings.k, temperature=t, recipe=AUTO, auto=auto[1][t])
+                                for t in temperatures)
         else:
             variants.append(Variant(method))
             if method == "vanilla":

@@ -2,7 +2,7 @@
 
 "auto" is the engine's plan for this machine (docs/architecture.md, "Automatic settings"): the k,
 prompt lookup and draft tree predicted fastest from the pass costs measured at load. The page has no
-fused control, so it asks for the best two-step plan; under sampling, the best plan without a tree.
+fused control, so it asks for the best two-step plan; under sampling, the best one for sampling.
 "paper" is the paper's two-step scheme alone.
 
 A fixed "fastest" preset (k = 3, lookup 10, tree 2) used to lead. It was the fastest setting on one
@@ -26,13 +26,16 @@ SCHEME_LABELS = {  # the radio's choices -> AUTO or FIXED keys
     "paper (two-step SATs only)": "paper",
 }
 CUSTOM = "custom (the sliders below)"
+# The race's sampling settings as the page opens; auto's sampled plan on the page is the one for them.
+PAGE_SAMPLING = dict(temperature=0.8, top_p=0.95, top_k=50)
 DEFAULT_SCHEME = next(iter(SCHEME_LABELS))
 
 
-def auto_settings(tuning: Tuning | None, greedy: bool = True, max_k: int | None = None) -> dict:
+def auto_settings(tuning: Tuning | None, greedy: bool = True, max_k: int | None = None,
+                  temperature: float = PAGE_SAMPLING["temperature"], top_p: float = PAGE_SAMPLING["top_p"]) -> dict:
     """k, lookup_tokens and tree_candidates of the machine's two-step plan (FALLBACK without one), k at most
-    `max_k`."""
-    plan = tuning.plan_for(("two_step",), greedy) if tuning is not None else None
+    `max_k`; for sampling, the plan at `temperature` and `top_p` (the page's defaults unless given)."""
+    plan = tuning.plan_for(("two_step",), greedy, temperature, top_p) if tuning is not None else None
     chosen = dict(FALLBACK) if plan is None else dict(k=plan.settings.k, lookup_tokens=plan.settings.lookup_tokens,
                                                       tree_candidates=plan.settings.tree_candidates)
     if max_k is not None:
