@@ -21,7 +21,7 @@ from sdsat.ui.chat import Chat
 from sdsat.ui.events import close_direct_routes
 from sdsat.ui.examples import CHAT_EXAMPLES, EXAMPLE_LABELS, EXAMPLES
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_INPUTS, RACE_OUTPUTS, Page
-from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, FALLBACK, SCHEME_LABELS
+from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
 from sdsat.ui.render import legend_html, waiting_html
 from sdsat.ui.replay import REPLAY_JS, REPLAY_STATUS
 from sdsat.sampling import MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K
@@ -92,12 +92,14 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                             "Fast on code, which repeats its names; outputs stay identical.")
                     tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=FALLBACK["tree_candidates"], step=1, elem_id="tree",
                                      label="Draft tree: runner-up candidates to verify too (0 = off)",
-                                     info="Not in the paper, greedy only: the verify pass also checks the SATs' "
-                                          "second choices, which on a CPU ride along at almost no cost.")
+                                     info="Not in the paper: the verify pass also checks the SATs' second choices "
+                                          "(sampling: further draws, tried in turn), which on a CPU ride along at "
+                                          "almost no cost.")
                     with gr.Group(visible=False) as sampling_box:
-                        temperature = gr.Slider(0.05, MAX_TEMPERATURE, value=0.8, step=0.05, label="Temperature")
-                        top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.01, label="Top-p")
-                        top_k = gr.Slider(0, MAX_TOP_K, value=50, step=1, label="Top-k (0 = off)")
+                        temperature = gr.Slider(0.05, MAX_TEMPERATURE, value=PAGE_SAMPLING["temperature"], step=0.05,
+                                                label="Temperature")
+                        top_p = gr.Slider(0.05, 1.0, value=PAGE_SAMPLING["top_p"], step=0.01, label="Top-p")
+                        top_k = gr.Slider(0, MAX_TOP_K, value=PAGE_SAMPLING["top_k"], step=1, label="Top-k (0 = off)")
                         seed = gr.Number(value=0, precision=0, minimum=0, maximum=MAX_SEED, label="Seed")
                     model = gr.Dropdown(limits.models, value=limits.models[0], label="Model",
                                         info="Only models the operator has listed.", interactive=len(limits.models) > 1)

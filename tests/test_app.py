@@ -157,8 +157,8 @@ def test_good_settings_fill_both_configs():
     assert (request.decode_config("sdsat").tree_candidates, request.decode_config("vanilla").tree_candidates) == (2, 0)
     assert request.settings()["tree_candidates"] == 2 and sdsat.tree_candidates == 0
     sampled = check_request(Limits(), 8, (GOOD | dict(mode="sampling", tree_candidates=2)))
-    # A draft tree is greedy only: the config says what it uses, and the API reports that.
-    assert sampled.decode_config("sdsat").tree_candidates_used == sampled.settings()["tree_candidates"] == 0
+    # A draft tree samples too (multi-draft rejection sampling): the config and the API say so.
+    assert sampled.decode_config("sdsat").tree_candidates == sampled.settings()["tree_candidates"] == 2
 
 
 def test_limits_from_env():

@@ -457,11 +457,15 @@ def test_draft_tree_shape_mask_and_walk():
         DraftTree.for_k(3, MAX_TREE_CANDIDATES + 1)
 
 
-def test_sampling_verifies_the_chain_and_bad_tree_settings_are_refused(sat_model: SatModel):
+def test_sampling_verifies_the_tree_and_bad_tree_settings_are_refused(sat_model: SatModel):
     config = replace(greedy("sdsat", 3, 16), tree_candidates=2,
                      sampling=SamplingConfig(do_sample=True, temperature=0.8, seed=3))
     result = collect(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
-    assert all(s.candidates == s.k == len(s.drafts) == 3 and s.draft_ranks == [] for s in result.steps)  # the chain
+    # Every node verified; each accept test in the record, siblings of a depth in draw order.
+    assert all(s.candidates == 5 and s.tree_paths and s.accept_tests for s in result.steps)
+    for step in result.steps:
+        depths = [test.depth for test in step.accept_tests]
+        assert depths == sorted(depths) and sum(test.accepted for test in step.accept_tests) == step.accepted
     for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1),
                           "tree_candidates must be between 0 \\(off\\) and"),
                          (dict(tree_candidates=-1), "tree_candidates must be between"),

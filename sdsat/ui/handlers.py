@@ -215,13 +215,12 @@ class Page:
 
     @visitor_errors
     def mode_controls(self, mode: str, scheme: str, model: str) -> tuple:
-        """(sampling settings, k, lookup, tree) for a decoding mode: sampling shows its settings and greys out
-        the tree (greedy only); under auto the sliders follow auto's plan for that mode."""
+        """(sampling settings, k, lookup, tree) for a decoding mode: sampling shows its settings; under auto the
+        sliders follow auto's plan for that mode."""
         sampling = mode == "sampling"
         values = self.auto_values(model, mode) if SCHEME_LABELS.get(scheme) == AUTO else {}
-        tree = {"value": values["tree_candidates"]} if values else {}
         return (gr.update(visible=sampling), values.get("k", gr.skip()), values.get("lookup_tokens", gr.skip()),
-                gr.update(interactive=not sampling, **tree))
+                values.get("tree_candidates", gr.skip()))
 
     def prepare(self, inputs: Mapping) -> tuple:
         """Parse the request, load the model, check the settings once, encode the prompt:
@@ -323,8 +322,9 @@ class Page:
         """Race vanilla and SDSAT on one prompt; return both texts, token ids and metrics as JSON.
 
         `model` is one of the operator's models (empty: the first). `lookup_tokens` > 0 lets SDSAT verify
-        up to that many prompt-lookup copies where the text recurs; `tree_candidates` > 0 lets greedy SDSAT
-        also verify that many of the SATs' runner-up candidates (a draft tree). Greedy runs report whether the two
+        up to that many prompt-lookup copies where the text recurs; `tree_candidates` > 0 lets SDSAT also
+        verify that many of the SATs' runner-up candidates, or under sampling further draws (a draft tree,
+        verified losslessly by multi-draft rejection sampling). Greedy runs report whether the two
         outputs were identical; every decoder stops at the operator's limits.
         """
         inputs = request_inputs(locals())  # the parameters above, spelled out for Gradio's API schema
