@@ -82,10 +82,11 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
-                    k = gr.Slider(1, 8, value=FALLBACK["k"], step=1, label="k: adaptive tokens (drafts) per step")
+                    k = gr.Slider(1, 8, value=FALLBACK["k"], step=1, label="k: adaptive tokens (drafts) per step",
+                                  elem_id="k")
                     max_new = gr.Slider(1, limits.max_new_tokens, value=min(64, limits.max_new_tokens), step=1,
                                         label="Max new tokens", elem_id="max-new")
-                    lookup = gr.Slider(0, 16, value=FALLBACK["lookup_tokens"], step=1,
+                    lookup = gr.Slider(0, 16, value=FALLBACK["lookup_tokens"], step=1, elem_id="lookup",
                                        label="Prompt lookup: copied tokens to verify (0 = off)",
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "

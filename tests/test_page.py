@@ -191,20 +191,55 @@ def test_browser_race(server, browser):
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_race_with_a_draft_tree(server, browser):
-    """The Draft tree setting: still identical, a SAT's second choice is named in a token's tooltip, and
-    the setting greys out when sampling (trees are greedy only)."""
+    """The Draft tree setting: still identical, the explorer draws the tree with the SATs' second choices. Under
+    sampling the tree stays on, and the step explorer gives every draft's accept test with the run's numbers:
+    p, q, min(1, p/q), the uniform number drawn and the verdict, siblings by draw, and the residual after a
+    rejection."""
     with _page(browser, server, viewport={"width": 1400, "height": 1000}) as page:
         page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n'
                                                      '    """Return the n-th Fibonacci number."""\n')
         page.locator("#max-new input[type=number]").fill("40")
-        page.locator("#tree input[type=number]").fill("2")
-        page.locator("#tree input[type=number]").press("Enter")
+        for slider, value in (("k", "3"), ("lookup", "0"), ("tree", "2")):  # not auto's: its plan varies by machine
+            page.locator(f"#{slider} input[type=number]").fill(value)
+            page.locator(f"#{slider} input[type=number]").press("Enter")
         page.get_by_role("button", name="Run the race").click()
         page.locator(".check.ok").wait_for(timeout=300_000)
         assert "Identical output: checked" in page.locator(".check.ok").inner_text()
-        assert page.locator('#sdsat-out .tok.src-draft[title*="2nd choice"]').count() > 0
+        nodes = page.locator("#explorer .tree-node")  # the explorer's tree: the chain of 3 and 2 runner-ups
+        assert nodes.count() == 5 and nodes.filter(has=page.locator('.chip[title*="2nd choice"]')).count() == 2
+        assert page.locator("#explorer .accept-tests").count() == 0  # greedy: no accept test to show
+
         page.get_by_label("sampling").check()
-        page.locator("#tree input[type=number]:disabled").wait_for(timeout=10_000)
+        page.locator("#tree input[type=number]:enabled").wait_for(timeout=10_000)
+        page.locator("#tree input[type=number]").fill("4")
+        page.locator("#tree input[type=number]").press("Enter")
+        page.get_by_role("button", name="Run the race").click()
+        page.locator(".check.info").wait_for(timeout=300_000)
+        tests = page.locator("#explorer .accept-tests")
+        tests.wait_for(timeout=30_000)
+        headers = tests.locator("th").all_inner_texts()
+        assert headers[:8] == ["position", "try", "draft x", "p(x)", "q(x)", "min(1, p/q)", "u", "verdict"]
+        verdicts, seen_rejection = 0, False
+        for _ in range(12):  # iterations until one has a rejection (its residual shown)
+            for row in tests.locator("tr").all()[1:]:
+                cells = row.locator("td").all_inner_texts()
+                if len(cells) < 8:
+                    continue  # the line saying the bonus came from p
+                p, q, ratio, u = (float(c.split()[0]) for c in cells[3:7])
+                assert abs(ratio - min(1.0, p / q)) < 2e-3 and 0 <= u < 1
+                assert cells[7].strip() == ("✓ accepted" if u < ratio else "✗ rejected") or abs(u - ratio) < 2e-3
+                verdicts += 1
+                if "rejected" in cells[7]:
+                    seen_rejection = True
+                    assert cells[8].strip(), "a rejection shows its residual"
+            if seen_rejection:
+                break
+            page.get_by_role("button", name="next ▶").click()
+            page.wait_for_timeout(300)
+        assert verdicts and seen_rejection
+        assert "draw" in tests.inner_text()  # siblings named by the order they were drawn
+        SCREENS.mkdir(parents=True, exist_ok=True)
+        page.locator("#explorer").screenshot(path=str(SCREENS / "explorer_sampling.png"))
 
 
 def test_chromium_and_playwright_are_available():

@@ -7,6 +7,9 @@ predicted, and the verdict per position. With prompt lookup on, the drafts may b
 what followed the same text before: verified after t, or straight after c in a single pass. With a
 draft tree, a row shows every candidate the verify pass checked, by depth: accepted, turned down by
 the model, or not reached (below a candidate it turned down); the drafts shown are the walked path.
+Under sampling, a table below gives each draft's accept test with the run's own numbers: p, q,
+min(1, p/q), the uniform number drawn, the verdict, and on a rejection the residual distribution and
+the token drawn from it; siblings of a tree in the order they were tried.
 """
 
 from __future__ import annotations
@@ -15,7 +18,27 @@ from dataclasses import dataclass
 
 from ..decoding import StepRecord
 from .race import RaceRecord
-from .render import choice_name, esc, esc_title, source_class, visible
+from ..records import AcceptTest
+from .render import choice_name, draw_name, esc, esc_title, source_class, visible
+
+# The accept test's columns, with what each means (the header's tooltip)
+TEST_COLUMNS = (
+    ("position", "the draft's position after t"),
+    ("try", "siblings of a draft tree are tried in the order they were drawn; the first accepted one is kept"),
+    ("draft x", "the token tried"),
+    ("p(x)", "the model's probability of x here; on a later try, what the earlier rejections left of it "
+             "(the residual)"),
+    ("q(x)", "the probability x was drawn with: the SAT's q less the siblings drawn before it (1 for a copy)"),
+    ("min(1, p/q)", "the chance that x is accepted"),
+    ("u", "the uniform number drawn for this test: x is accepted when u < min(1, p/q)"),
+    ("verdict", ""),
+    ("residual after a rejection", "norm(max(0, p − q)): what the model may still emit here; the token drawn "
+                                   "from it when every try at this position was rejected"),
+)
+ACCEPT_RULE = ("Each draft is accepted with probability min(1, p/q), so a draft the model likes at least as much "
+               "as the drafter is always kept. After a rejection the model samples from what is left, max(0, p − q) "
+               "normalised, or tries the next sibling against it, which makes every output token follow the "
+               "model's own distribution exactly.")
 
 
 def _chip(text: str, cls: str = "", title: str = "") -> str:
@@ -62,7 +85,7 @@ def explorer_html(record: RaceRecord | None, index: int) -> str:
     view = _View(record, steps[index], index, ctx[-1])
     rows = _draft_rows(view) + _verify_rows(view) + [("Verdict", _verdict(view))]
     return (f'<div class="explorer">{_head(view, len(steps))}{_context(view, ctx[-9:-1])}{_table(view, rows)}'
-            f'{_result(view)}</div>')
+            f'{_accept_tests(view)}{_result(view)}</div>')
 
 
 def _head(v: _View, iterations: int) -> str:
@@ -99,15 +122,17 @@ def _draft_rows(v: _View) -> list[tuple[str, list[str]]]:
         else:
             fed1 = [_chip(word(v.c, ""), "pending", "c")] + [f'<span class="chip sat">SAT<sub>{j}</sub></span>'
                                                              for j in range(1, k + 1)]
-            ranks = step.draft_ranks or [0] * k
-            out1 += [_chip(word(dj, ""), "draft", f"draft d{j}: the SAT's {choice_name(ranks[j - 1])}")
+            ranks, name = step.draft_ranks or [0] * k, _rank_name(v)
+            out1 += [_chip(word(dj, ""), "draft", f"draft d{j}: " + (
+                         f"the SAT's {name(ranks[j - 1])}" if v.record.greedy else
+                         f"the {name(ranks[j - 1])} from SAT {j}'s q"))
                      + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}"
-                            + (f" · {choice_name(ranks[j - 1])}" if ranks[j - 1] else ""))
+                            + (f" · {name(ranks[j - 1])}" if ranks[j - 1] else ""))
                      for j, dj in enumerate(step.drafts, start=1)]
         rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
         rows.append(("Step 1 · predicted", _pad(out1, k + 2)))
         if step.tree_paths:
-            rows.append(("Draft tree · every candidate verified", _tree_cells(step, word, k)))
+            rows.append(("Draft tree · every candidate verified", _tree_cells(step, word, k, _rank_name(v))))
     if v.copied:
         rows.append(("Prompt lookup copied", _pad(['<span class="muted">—</span>'] + [
             _chip(word(tok, ""), "copy", f"l{j}: the token that followed this text where it occurred before")
@@ -149,6 +174,43 @@ def _verdict(v: _View) -> list[str]:
     return verdict
 
 
+def _accept_tests(v: _View) -> str:
+    """Sampling: one row per accept test, in the order verification ran them."""
+    tests = v.step.accept_tests
+    if not tests:
+        return ""
+    header = "".join(f'<th title="{esc_title(tip)}">{esc(name)}</th>' if tip else f"<th>{esc(name)}</th>"
+                     for name, tip in TEST_COLUMNS)
+    rows, tries = [], {}
+    for test in tests:
+        tries[test.depth] = tries.get(test.depth, 0) + 1
+        rows.append(_test_row(v, test, tries[test.depth]))
+    if v.bonus is not None and tests[-1].accepted:  # the walk ended past its last test: the bonus is from p
+        rows.append(f'<tr><td colspan="{len(TEST_COLUMNS)}" class="muted">the bonus '
+                    f'{_chip(v.word(v.bonus, ""), "src-bonus")} was drawn from p after the last accepted draft'
+                    "</td></tr>")
+    return (f'<div class="ex-tests"><span class="ex-label">The accept test, draft by draft</span>'
+            f'<div class="ex-scroll"><table class="ex-table accept-tests"><tr>{header}</tr>{"".join(rows)}'
+            f'</table></div><div class="ex-rule muted">{esc(ACCEPT_RULE)}</div></div>')
+
+
+def _test_row(v: _View, test: AcceptTest, attempt: int) -> str:
+    name = f"{v.d}{test.depth}"
+    verdict = ('<span class="verdict ok">✓ accepted</span>' if test.accepted else
+               '<span class="verdict bad">✗ rejected</span>')
+    residual = ""
+    if test.residual:
+        residual = " ".join(f'{_chip(v.word(t, ""), "resid")}<span class="sub-inline">{prob:.2f}</span>'
+                            for t, prob in test.residual)
+    if test.replacement is not None:
+        residual += (f' <span class="muted">→ drew</span> '
+                     f'{_chip(v.word(test.replacement, ""), "src-bonus", "drawn from the residual")}')
+    cells = [name, draw_name(attempt - 1), _chip(v.word(test.token, ""), "draft" if test.accepted else "tree-no"),
+             f"{test.p:.3f}" + (_sub("residual") if attempt > 1 else ""), f"{test.q:.3f}", f"{test.ratio:.3f}",
+             f"{test.u:.3f}", verdict, residual]
+    return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
+
+
 def _table(v: _View, rows: list[tuple[str, list[str]]]) -> str:
     cols, k, d = range(v.k + 2), v.k, v.d
     name = "t" if v.drafted else "c"
@@ -169,6 +231,8 @@ def _result(v: _View) -> str:
             "Sampling: draft d<sub>j</sub> is accepted with probability min(1, p/q); "
             "at the first rejection the token is "
             "drawn from the normalised max(0, p − q), so the output follows the model's own distribution exactly."
+            + (" In a draft tree, the siblings at a position are tried in turn, each against what the earlier "
+               "rejections left, before that draw." if v.step.tree_paths else "")
             + (" A copy has q = 1 on itself." if v.copied else ""))
     return (f'<div class="ex-result"><span class="ex-label">Emitted</span> {emitted} '
             f'<span class="muted">= {"t + " if v.drafted else ""}{a} accepted {kind}'
@@ -176,22 +240,30 @@ def _result(v: _View) -> str:
             f'<div class="ex-rule muted">{rule}</div>')
 
 
-def _tree_cells(step: StepRecord, word, k: int) -> list[str]:
-    """One cell per depth: the draft tree's candidates there, marked accepted, turned down or not reached."""
+def _rank_name(v: _View):
+    """How a SAT candidate's rank reads: a greedy tree's runner-ups are choices, a sampled tree's are draws."""
+    return choice_name if v.record.greedy else draw_name
+
+
+def _tree_cells(step: StepRecord, word, k: int, name=choice_name) -> list[str]:
+    """One cell per depth: the draft tree's candidates there, marked accepted, turned down or not reached
+    (sampled: not tried, when a sibling drawn before it was accepted)."""
     walked = step.draft_ranks[:step.accepted]
+    rejected = {(test.depth, test.token) for test in step.accept_tests if not test.accepted}
     cells = ['<span class="muted">—</span>'] + [""] * (k + 1)
     for path, token in zip(step.tree_paths, step.tree_tokens):
         depth = len(path)
+        compared = path[:-1] == walked[:depth - 1] and depth - 1 <= len(walked)  # its parent was accepted
         if path == walked[:depth] and depth <= len(walked):
             cls, mark = "draft", "✓"
-        elif path[:-1] == walked[:depth - 1] and depth - 1 <= len(walked):
-            cls, mark = "tree-no", "✗"  # its parent was accepted, so the model compared it
+        elif compared and (not step.accept_tests or (depth, token) in rejected):
+            cls, mark = "tree-no", "✗"  # greedy: the model compared it; sampled: its accept test failed
         else:
-            cls, mark = "tree-skip", "·"  # below a candidate the model turned down
-        after = f", after {' → '.join(choice_name(r) for r in path[:-1])}" if depth > 1 else ""
-        title = f"the SAT's {choice_name(path[-1])} for position {depth}{after}"
+            cls, mark = "tree-skip", "·"  # below a candidate turned down, or not tried
+        after = f", after {' → '.join(name(r) for r in path[:-1])}" if depth > 1 else ""
+        title = f"the SAT's {name(path[-1])} for position {depth}{after}"
         cells[depth] += (f'<div class="tree-node">{_chip(word(token, ""), cls, title)} '
-                         f'<span class="sub">{mark} {esc(choice_name(path[-1]).split()[0])}</span></div>')
+                         f'<span class="sub">{mark} {esc(name(path[-1]).split()[0])}</span></div>')
     return cells
 
 

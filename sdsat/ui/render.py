@@ -180,6 +180,11 @@ def choice_name(rank: int) -> str:
     return "first choice" if rank == 0 else f"{rank + 1}{ {1: 'nd', 2: 'rd'}.get(rank, 'th')} choice"
 
 
+def draw_name(order: int) -> str:
+    """0 -> "1st draw", 1 -> "2nd draw", ...: a sampled candidate's place among its depth's draws."""
+    return f"{order + 1}{ {0: 'st', 1: 'nd', 2: 'rd'}.get(order, 'th')} draw"
+
+
 def _pane(body: str, kind: str) -> str:
     body = body or '<span class="placeholder">…</span>'
     return f'<div class="sdsat-out {kind}">{body}</div>'

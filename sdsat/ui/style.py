@@ -106,6 +106,11 @@ CSS = """
 .verdict.bad { color: #991b1b; background: #fee2e2; }
 .verdict.skip { color: #64748b; background: #f1f5f9; font-weight: 400; }
 .ex-rule { font-size: 12.5px; }
+.ex-tests { margin-top: 10px; }
+.accept-tests td { font-variant-numeric: tabular-nums; font-size: 12.5px; vertical-align: middle; }
+.accept-tests td:last-child { text-align: left; white-space: nowrap; }
+.chip.resid { background: #f8fafc; }
+.sub-inline { font-size: 10.5px; color: #64748b; margin: 0 6px 0 2px; }
 
 /* how it works / benchmark */
 .howto { color: var(--body-text-color); }
