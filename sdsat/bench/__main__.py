@@ -38,7 +38,8 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
                       help="SDSAT recipes to race (a decoding scheme with prompt lookup and the draft tree on or off): "
                            "two_step (the paper), fused, lookup (two_step with "
                            "prompt lookup's copies, --lookup-tokens of them, verified when found), tree (two_step "
-                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups, sampled: further draws), "
+                           "whose verify pass also checks --tree-candidates of the SATs' runner-ups, sampled: "
+                           "further draws), "
                            "lookup_tree (both) and/or auto (scheme, k, lookup and tree from this machine's tuning; "
                            "ignores --k and --sample-k) (default two_step)")
     what.add_argument("--sample-k", type=int, metavar="K",
