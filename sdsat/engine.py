@@ -47,12 +47,14 @@ class Activity:
 
     def __init__(self):
         self._running = 0
+        self.begun = 0  # decodes begun so far
         self._idle = threading.Condition()
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
         with self._idle:
             self._running += 1
+            self.begun += 1
         try:
             yield
         finally:
@@ -102,7 +104,7 @@ class Engine:
     def _tune(self, remeasure: str, on_step=None) -> Tuning | None:
         return tune(self.sat_model, self.name, fixed_dtype=self.load_config.dtype != "auto",
                     kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / TUNING_FILE, remeasure=remeasure,
-                    on_step=on_step)
+                    on_step=on_step, requests_begun=lambda: self.activity.begun)
 
     @property
     def can_twin(self) -> bool:

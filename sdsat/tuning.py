@@ -266,11 +266,15 @@ class TuneProgress:
 
 
 class _Steps:
-    """Counts measurement steps for a `TuneProgress` and tells `on_step` (which may wait there) before each."""
+    """Counts measurement steps for a `TuneProgress` and tells `on_step` (which may wait there) before each;
+    notes when `requests_begun` (a count of the app's decodes) grew during a step: a request overlapped it."""
 
-    def __init__(self, total: int, on_step: Callable[[TuneProgress], None] | None):
+    def __init__(self, total: int, on_step: Callable[[TuneProgress], None] | None,
+                 requests_begun: Callable[[], int] | None = None):
         self.state = TuneProgress(total=total)
         self.on_step = on_step
+        self.requests_begun = requests_begun or (lambda: 0)
+        self.overlapped = False  # since the caller last cleared it
 
     @contextlib.contextmanager
     def step(self, label: str):
@@ -279,7 +283,9 @@ class _Steps:
         log.info("%s", self.state.line())
         if self.on_step is not None:
             self.on_step(self.state)
+        begun = self.requests_begun()
         yield
+        self.overlapped |= self.requests_begun() != begun
         self.state.done += 1
 
 
@@ -353,7 +359,8 @@ REMEASURE = ("never", "missing", "noisy", "all")
 
 def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = True,
          cache_file: Path | None = None, remeasure: str = "missing",
-         on_step: Callable[[TuneProgress], None] | None = None) -> Tuning | None:
+         on_step: Callable[[TuneProgress], None] | None = None,
+         requests_begun: Callable[[], int] | None = None) -> Tuning | None:
     """Measure every precision worth trying (or read it from `cache_file`), plan, and leave the model in the
     chosen precision and form.
 
@@ -364,6 +371,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     nothing is measured). A measurement taken under load is kept like a clean one, so later starts do not
     pay for it again.
     on_step: told before each measurement step (`TuneProgress`), and may wait there (for requests to finish).
+    requests_begun: a count of requests begun (the app's); one begun during a step marks its precision's
+    measurement noisy, as load from elsewhere would.
 
     Precisions are measured one after the other, so a spell of load from elsewhere (a neighbour on a shared
     host) can slow one precision's passes and not another's, and tip the choice. When a curve comes out
@@ -385,10 +394,12 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
         return None
     # "noisy": the kept run competes with the new ones; otherwise a precision measured now starts afresh
     found = {p: kept[p] if p not in fresh or remeasure == "noisy" else None for p in precisions}
-    steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh), on_step)
+    steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh), on_step, requests_begun)
     for round_ in range(MEASURE_ROUNDS):
         for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
+            steps.overlapped = False
             measured = _measure(sat_model, precision, kernels, steps)
+            measured.noisy |= steps.overlapped
             if found[precision] is None or measured.rank() < found[precision].rank():
                 found[precision] = measured
         if not any(found[p].noisy for p in fresh):

@@ -297,3 +297,59 @@ def test_a_seed_gives_the_same_sampled_output_twice_with_and_without_a_tree(sat_
                                   sampling=SamplingConfig(do_sample=True, temperature=1.0, seed=7))
             outputs[extra, run] = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[])).token_ids
     assert outputs[0, 0] == outputs[0, 1] and outputs[3, 0] == outputs[3, 1]
+
+
+REAL_PROMPT = "def add(a, b):\n"
+REAL_SAMPLES = 300
+REAL_SETTINGS = dict(temperature=1.0, top_k=4)  # a slice of the real vocabulary: each position's top 4
+
+
+def real_marginals(model, prompt_ids: list[int], settings: dict, positions: int = 3) -> list[dict[int, float]]:
+    """P(x_i) of vanilla sampling for the first `positions` tokens of the real model under top-k: every
+    sequence of tokens in the slices is fed in one batch."""
+    warp = warpers(settings)
+
+    def dist(rows: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(input_ids=rows).logits[:, -1].float()
+        return torch.softmax(warp(None, logits), -1).double()
+
+    paths = {(): 1.0}  # each prefix in the slices with its probability
+    marginals = []
+    for _ in range(positions):
+        prefixes = list(paths)
+        probs = dist(torch.tensor([prompt_ids + list(prefix) for prefix in prefixes]))
+        marginal, grown = Counter(), {}
+        for prefix, row in zip(prefixes, probs):
+            for token in row.nonzero().flatten().tolist():
+                marginal[token] += paths[prefix] * float(row[token])
+                grown[prefix + (token,)] = paths[prefix] * float(row[token])
+        marginals.append(dict(marginal))
+        paths = grown
+    return marginals
+
+
+def test_tree_sampling_on_the_real_model_matches_vanilla_on_a_vocabulary_slice(default_engine):
+    """The embedded model and its shipped SATs, top-k 4 (each position's slice of the real vocabulary), four
+    siblings at depth 1: each of the first three tokens follows vanilla sampling's exact distribution."""
+    ids = default_engine.encode(REAL_PROMPT)
+    marginals = real_marginals(default_engine.sat_model.model, ids, REAL_SETTINGS)
+    counts, rejected = [Counter() for _ in marginals], 0
+    for seed in range(REAL_SAMPLES):
+        config = DecodeConfig(method="sdsat", k=1, max_new_tokens=len(marginals), tree_candidates=3,
+                              sampling=SamplingConfig(do_sample=True, seed=seed, **REAL_SETTINGS))
+        result = collect(default_engine.stream(ids, config))
+        for position, token in enumerate(result.token_ids):
+            counts[position][token] += 1
+        rejected += any(not test.accepted for step in result.steps for test in step.accept_tests)
+    assert rejected > REAL_SAMPLES // 20  # drafts were turned down, so residuals were drawn from
+    for position, (seen, exact) in enumerate(zip(counts, marginals)):
+        assert set(seen) <= set(exact), f"position {position + 1}: a token outside the slice"
+        tokens = sorted(exact)
+        observed = np.array([seen[t] for t in tokens], dtype=float)
+        expected = np.array([exact[t] for t in tokens]) * REAL_SAMPLES
+        rare = expected < 5
+        if rare.any():
+            observed = np.append(observed[~rare], observed[rare].sum())
+            expected = np.append(expected[~rare], expected[rare].sum())
+        assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > ALPHA, position + 1

@@ -311,3 +311,28 @@ def test_a_noisy_measurement_is_measured_again_and_the_faster_one_kept(monkeypat
         assert len(stored) == cached
         assert sorted(e["noisy"] for e in stored.values()) == sorted(measured.noisy.values())
         assert tuning.tune(sat_model, "tiny", cache_file=cache, remeasure="never").noisy == measured.noisy
+
+
+def test_a_request_begun_during_a_measurement_step_marks_it_measured_under_load(monkeypatch, tmp_path):
+    """The app measures between requests, but a visitor's request may begin while a step runs: the precision
+    measured then counts as measured under load, like one slowed by a neighbour (kept, marked noisy, measured
+    again when the machine is quiet). Without requests the same measurement is clean."""
+    from sdsat.engine import Activity
+
+    sat_model = make_sat_model("vocab")
+    for requests, noisy in ((True, True), (False, False)):
+        activity = Activity()
+
+        def measure(sat_model, requests=requests, activity=activity, **kwargs):
+            if requests:
+                with activity.decoding():  # a request begins (and ends) while the step measures
+                    pass
+            curve = _fast_curve(sat_model, **kwargs)
+            curve.spread = 1.0  # quiet as far as the timings tell
+            return curve
+
+        monkeypatch.setattr(tuning, "measure_curve", measure)
+        cache = tmp_path / f"tuning-{requests}.json"
+        result = tuning.tune(sat_model, "tiny", cache_file=cache, requests_begun=lambda a=activity: a.begun)
+        assert set(result.noisy.values()) == {noisy}
+        assert {entry["noisy"] for entry in json.loads(cache.read_text()).values()} == {noisy}
