@@ -176,6 +176,7 @@ def summary_rows(payload: dict) -> dict:
             "overall speed-up vs vanilla": row.get("overall_speedup"),
             "Spec-Bench speed-up vs vanilla": row.get("spec_bench_speedup"),
             "speed-up vs prompt_lookup": row.get("median_speedup_vs_prompt_lookup"),
+            "speed-up vs vanilla_sample (median)": row.get("median_speedup_vs_vanilla_sample"),
             "tokens / forward pass": row["tokens_per_forward_pass"],
             "tokens / iteration (bonus counted)": row["mean_tokens_per_iteration"],
             "acceptance by draft position": [round(a, 2) for a in row["acceptance_by_position"]],
