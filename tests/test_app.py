@@ -22,7 +22,7 @@ from sdsat.ui import benchmark, explorer
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.headline import headline_html
 from sdsat.ui.machine import race_costs
-from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, FALLBACK, SCHEME_LABELS
+from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
 from sdsat.ui.race import make_record, race
 from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
@@ -460,8 +460,9 @@ def _values(settings: Settings) -> tuple:
 
 def test_auto_is_the_default_scheme_and_takes_the_machines_plan(page, tuned_engine):
     measured = tuned_engine.tuning
-    greedy, sampled = (measured.plan_for(("two_step",), g) for g in (True, False))
-    assert SCHEME_LABELS[DEFAULT_SCHEME] == AUTO and sampled.settings.tree_candidates == 0
+    greedy = measured.plan_for(("two_step",))
+    sampled = measured.plan_for(("two_step",), False, PAGE_SAMPLING["temperature"], PAGE_SAMPLING["top_p"])
+    assert SCHEME_LABELS[DEFAULT_SCHEME] == AUTO and "sampling at T=" in sampled.reason
     controls = dict(zip(MODEL_OUTPUTS, page.model_controls(DEFAULT_MODEL)))
     assert tuple(controls[n]["value"] for n in ("k", "lookup_tokens", "tree_candidates")) == _values(greedy.settings)
     assert controls["scheme"]["value"] == DEFAULT_SCHEME and esc(greedy.reason) in controls["auto_note"]
@@ -471,9 +472,9 @@ def test_auto_is_the_default_scheme_and_takes_the_machines_plan(page, tuned_engi
     assert page.scheme_controls(PAPER, DEFAULT_MODEL, "greedy") == (3, 0, 0)
     if _values(greedy.settings) != (3, 0, 0):
         assert page.scheme_label(3, 0, 0, DEFAULT_MODEL, "greedy") == PAPER
-    # Switching to sampling under auto: the plan without a tree, and the tree greyed out.
+    # Switching to sampling under auto: the plan for the page's sampling settings, a tree if it chose one.
     _, k, lookup, tree = page.mode_controls("sampling", DEFAULT_SCHEME, DEFAULT_MODEL)
-    assert (k, lookup, tree["value"], tree["interactive"]) == (*_values(sampled.settings)[:2], 0, False)
+    assert (k, lookup, tree) == _values(sampled.settings)
     # The Chat tab's auto decodes with the same plan.
     from sdsat.ui.chat import Chat
 

@@ -80,7 +80,7 @@ def test_bench_writes_every_field(bench_run):
               "sdsat_greedy k=1 fused", "sdsat_greedy k=3 fused", "sdsat_greedy k=1 +lookup",
               "sdsat_greedy k=3 +lookup", "sdsat_greedy k=1 +lookup+tree", "sdsat_greedy k=3 +lookup+tree",
               "vanilla_sample T=1", "sdsat_sample k=2 T=1", "sdsat_sample k=2 T=1 fused",
-              "sdsat_sample k=2 T=1 +lookup"}
+              "sdsat_sample k=2 T=1 +lookup", "sdsat_sample k=2 T=1 +lookup+tree"}
     assert {row["label"] for row in payload["summary"]["variants"]} == labels
     assert len(payload["runs"]) == 2 * len(labels)
     for run in payload["runs"]:
@@ -531,8 +531,9 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
 
 
 def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(tmp_path, monkeypatch):
-    """`--schemes auto` decodes with the tuning's plan (greedy) and its tree-less plan (sampled) and records
-    both; vanilla in bfloat16 runs on an engine of its own, interleaved and labelled; results name the CPU."""
+    """`--schemes auto` decodes with the tuning's plan (greedy) and its plan for sampling at the run's
+    temperature (sampled) and records both; vanilla in bfloat16 runs on an engine of its own, interleaved and
+    labelled; results name the CPU."""
     import io
     from contextlib import redirect_stderr, redirect_stdout
 
@@ -588,7 +589,7 @@ def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(t
     auto_runs = {r["method"]: r for r in runs if r["scheme"] == "auto"}
     assert auto_runs["sdsat_greedy"]["auto"]["plan"] == plan and auto_runs["sdsat_greedy"]["k"] == planned[1]
     sample_settings = auto_runs["sdsat_sample"]["auto"]["settings"]
-    assert sample_settings["tree_candidates"] == 0 and all(
+    assert "sampling at T=1" in auto_runs["sdsat_sample"]["auto"]["plan"]["reason"] and all(
         (c.scheme, c.k, c.lookup_tokens, c.tree_candidates) == tuple(sample_settings.values()) for c in sampled)
     # Vanilla in bfloat16: its own engine (another model object), interleaved prompt by prompt, labelled.
     main = {model for model, _, c in calls if c.method == "sdsat"}

@@ -300,56 +300,36 @@ def test_a_seed_gives_the_same_sampled_output_twice_with_and_without_a_tree(sat_
 
 
 REAL_PROMPT = "def add(a, b):\n"
-REAL_SAMPLES = 300
-REAL_SETTINGS = dict(temperature=1.0, top_k=4)  # a slice of the real vocabulary: each position's top 4
+REAL_SETTINGS = dict(temperature=1.0, top_k=4)  # a slice of the real vocabulary: the position's top 4
 
 
-def real_marginals(model, prompt_ids: list[int], settings: dict, positions: int = 3) -> list[dict[int, float]]:
-    """P(x_i) of vanilla sampling for the first `positions` tokens of the real model under top-k: every
-    sequence of tokens in the slices is fed in one batch."""
-    warp = warpers(settings)
+def test_multi_draft_sampling_on_the_real_models_distributions_gives_p(default_engine):
+    """The embedded model and its shipped SATs over a slice of the real vocabulary (top-k 4): SAT 1's q from
+    a real draft pass, the model's p after t, four siblings drawn from q without replacement and tried in
+    order, many times. The token each try gives (an accepted draw, or the last residual's) follows p."""
+    from transformers import DynamicCache
 
-    def dist(rows: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            logits = model(input_ids=rows).logits[:, -1].float()
-        return torch.softmax(warp(None, logits), -1).double()
+    from sdsat.drafters import DraftContext, draft_pass
+    from sdsat.timing import Clock
 
-    paths = {(): 1.0}  # each prefix in the slices with its probability
-    marginals = []
-    for _ in range(positions):
-        prefixes = list(paths)
-        probs = dist(torch.tensor([prompt_ids + list(prefix) for prefix in prefixes]))
-        marginal, grown = Counter(), {}
-        for prefix, row in zip(prefixes, probs):
-            for token in row.nonzero().flatten().tolist():
-                marginal[token] += paths[prefix] * float(row[token])
-                grown[prefix + (token,)] = paths[prefix] * float(row[token])
-        marginals.append(dict(marginal))
-        paths = grown
-    return marginals
-
-
-def test_tree_sampling_on_the_real_model_matches_vanilla_on_a_vocabulary_slice(default_engine):
-    """The embedded model and its shipped SATs, top-k 4 (each position's slice of the real vocabulary), four
-    siblings at depth 1: each of the first three tokens follows vanilla sampling's exact distribution."""
-    ids = default_engine.encode(REAL_PROMPT)
-    marginals = real_marginals(default_engine.sat_model.model, ids, REAL_SETTINGS)
-    counts, rejected = [Counter() for _ in marginals], 0
-    for seed in range(REAL_SAMPLES):
-        config = DecodeConfig(method="sdsat", k=1, max_new_tokens=len(marginals), tree_candidates=3,
-                              sampling=SamplingConfig(do_sample=True, seed=seed, **REAL_SETTINGS))
-        result = collect(default_engine.stream(ids, config))
-        for position, token in enumerate(result.token_ids):
-            counts[position][token] += 1
-        rejected += any(not test.accepted for step in result.steps for test in step.accept_tests)
-    assert rejected > REAL_SAMPLES // 20  # drafts were turned down, so residuals were drawn from
-    for position, (seen, exact) in enumerate(zip(counts, marginals)):
-        assert set(seen) <= set(exact), f"position {position + 1}: a token outside the slice"
-        tokens = sorted(exact)
-        observed = np.array([seen[t] for t in tokens], dtype=float)
-        expected = np.array([exact[t] for t in tokens]) * REAL_SAMPLES
-        rare = expected < 5
-        if rare.any():
-            observed = np.append(observed[~rare], observed[rare].sum())
-            expected = np.append(expected[~rare], expected[rare].sum())
-        assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > ALPHA, position + 1
+    sat_model, ids = default_engine.sat_model, default_engine.encode(REAL_PROMPT)
+    chooser = TokenChooser(SamplingConfig(do_sample=True, seed=0, **REAL_SETTINGS), sat_model.device)
+    cache = DynamicCache(config=sat_model.model.config)
+    with torch.inference_mode():
+        t, _, q, _ = draft_pass(DraftContext(sat_model, chooser, cache, list(ids), list(ids), 8,
+                                             Clock(sat_model.device)), 1)
+        p = chooser.probs(sat_model.forward(torch.tensor([[t]], device=sat_model.device), cache=cache,
+                                            logits_to_keep=1)[0])[0]
+        counts, later, rejected = Counter(), 0, 0
+        for _ in range(SAMPLES * 3):
+            draws, valid = chooser.draw_ranked(q, 4)
+            taken, token, tests = chooser.try_siblings(p, q[0], draws[0].tolist(), list(range(valid[0])), depth=1)
+            counts[int(draws[0, taken]) if taken is not None else token] += 1
+            later += taken is not None and taken > 0
+            rejected += taken is None
+    assert later > SAMPLES // 10 and rejected > SAMPLES // 20  # later siblings and residual draws both happened
+    assert set(counts) <= set(p.nonzero().flatten().tolist())
+    tokens = sorted(set(p.nonzero().flatten().tolist()))
+    observed = np.array([counts[x] for x in tokens], dtype=float)
+    expected = p[tokens].double().numpy() * observed.sum()
+    assert stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > ALPHA
