@@ -79,6 +79,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 # While this machine is measured behind the page: the note and This machine follow the measurement,
                 # and auto's sliders take the plan when it is ready (Page.plan_watch stops the timer then).
                 plan_timer = gr.Timer(1.0, active=True)
+                plan_watched = gr.State(False)  # this page saw the measurement under way
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")
@@ -259,8 +260,9 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     chatbot.clear(chat_page.clear, None, [chatbot, turns], cancels=chat_events,
                   api_visibility="private")  # the Chatbot's own bin icon
     gr.api(chat_page.turn, api_name="chat", concurrency_limit=limits.concurrency, concurrency_id="model")
-    plan_timer.tick(page.plan_watch, [model, mode, scheme],
-                    [auto_note, machine, machine_plot, k, lookup, tree, plan_timer], api_visibility="private")
+    plan_timer.tick(page.plan_watch, [model, mode, scheme, plan_watched],
+                    [auto_note, machine, machine_plot, k, lookup, tree, plan_timer, plan_watched],
+                    api_visibility="private")
     demo.load(page.model_controls_if_loaded, [model, mode], [*(model_outputs[n] for n in MODEL_OUTPUTS), headline],
               api_visibility="private")
 

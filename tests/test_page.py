@@ -195,10 +195,13 @@ def test_browser_race_with_a_draft_tree(server, browser):
     sampling the tree stays on, and the step explorer gives every draft's accept test with the run's numbers:
     p, q, min(1, p/q), the uniform number drawn and the verdict, siblings by draw, and the residual after a
     rejection."""
+    from playwright.sync_api import expect
+
     with _page(browser, server, viewport={"width": 1400, "height": 1000}) as page:
         page.get_by_label("Prompt", exact=True).fill('def fibonacci(n):\n'
                                                      '    """Return the n-th Fibonacci number."""\n')
         page.locator("#max-new input[type=number]").fill("40")
+        expect(page.locator("#auto-note")).to_contain_text("auto on this machine")  # the page's load has set auto
         for slider, value in (("k", "3"), ("lookup", "0"), ("tree", "2")):  # not auto's: its plan varies by machine
             page.locator(f"#{slider} input[type=number]").fill(value)
             page.locator(f"#{slider} input[type=number]").press("Enter")

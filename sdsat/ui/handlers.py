@@ -177,14 +177,16 @@ class Page:
         return (*[gr.skip()] * len(MODEL_OUTPUTS), note)
 
     @visitor_errors
-    def plan_watch(self, model: str, mode: str = "greedy", scheme: str = DEFAULT_SCHEME) -> tuple:
+    def plan_watch(self, model: str, mode: str = "greedy", scheme: str = DEFAULT_SCHEME,
+                   watched: bool = False) -> tuple:
         """The page's timer, while this machine is measured behind it: the auto note and the This machine panel
-        as they stand, then, once the plan is ready, auto's sliders (when auto is picked) and the timer stopped.
-        Outputs: (auto_note, machine, machine_plot, k, lookup_tokens, tree_candidates, timer). Never loads a
-        model nor waits for one."""
+        as they stand, then, once the plan is ready, auto's sliders (when auto is picked and this page saw the
+        measurement: `watched`, else the page loaded with the plan and its sliders may be the visitor's own by
+        now) and the timer stopped. Outputs: (auto_note, machine, machine_plot, k, lookup_tokens,
+        tree_candidates, timer, watched). Never loads a model nor waits for one."""
         skip = gr.skip()
         if not self.cache.is_loaded(model):
-            return (skip,) * 6 + (gr.Timer(active=self.cache.failure(model) is None),)
+            return (skip,) * 6 + (gr.Timer(active=self.cache.failure(model) is None), watched)
         engine = self.cache.get(model)
         measuring = engine.measuring  # read once: the tuning thread clears it right after the swap below
         if measuring is None and self.cache.get(model) is not engine:  # the tuned engine replaced this one
@@ -194,10 +196,10 @@ class Page:
         note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", measuring))
         view = self.machine(engine)
         if measuring is not None:
-            return note, view.html, skip, skip, skip, skip, gr.Timer(active=True)
+            return note, view.html, skip, skip, skip, skip, gr.Timer(active=True), True
         sliders = ((chosen["k"], chosen["lookup_tokens"], chosen["tree_candidates"])
-                   if SCHEME_LABELS.get(scheme) == AUTO else (skip,) * 3)
-        return note, view.html, view.figure, *sliders, gr.Timer(active=False)
+                   if watched and SCHEME_LABELS.get(scheme) == AUTO else (skip,) * 3)
+        return note, view.html, view.figure, *sliders, gr.Timer(active=False), watched
 
     @visitor_errors
     def scheme_controls(self, scheme: str, model: str, mode: str) -> tuple:
