@@ -79,7 +79,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 # While this machine is measured behind the page: the note and This machine follow the measurement,
                 # and auto's sliders take the plan when it is ready (Page.plan_watch stops the timer then).
                 plan_timer = gr.Timer(1.0, active=True)
-                plan_watched = gr.State(False)  # this page saw the measurement under way
+                plan_watched = gr.State(False, time_to_live=limits.state_ttl_s)  # this page saw the measurement
                 with gr.Accordion("Settings", open=True):
                     mode = gr.Radio(["greedy", "sampling"], value="greedy", label="Decoding",
                                     info="Greedy output must be identical to vanilla; the page checks it.")

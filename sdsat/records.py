@@ -37,6 +37,7 @@ class AcceptTest:
     accepted: bool
     residual: list[tuple[int, float]] = field(default_factory=list)  # on rejection: norm(max(0, p - q))'s top tokens
     replacement: int | None = None  # the last rejection at a position: the token drawn from that residual
+    rank: int = 0  # its place among its depth's draws (0: the first drawn; a copy's is 0)
 
     @property
     def ratio(self) -> float:

@@ -113,21 +113,27 @@ class TokenChooser:
             draws: the tokens drawn here, in order; `ranks`: the ones the tree verified (ascending).
         The sibling of rank r is accepted with probability min(1, r(x) / q_r(x)), where q_r is q without the
         r tokens drawn before it (what x was drawn from) and r(x) is what earlier rejections left of p: each
-        rejection replaces it by norm(max(0, r - q_r)). Returns (the index in `ranks` of the accepted
-        sibling, or None and the token drawn from the last residual), and each try's numbers.
+        rejection replaces it by norm(max(0, r - q_r)). Stopping before the last sibling and drawing from the
+        residual is exact too (what the remaining tries would give is distributed as it). Returns (the index in
+        `ranks` of the accepted sibling, or None and the token drawn from the last residual), and each try's
+        numbers.
         """
         residual, tests = p, []
         for i, rank in enumerate(ranks):
-            proposal = q.clone()
-            proposal[draws[:rank]] = 0  # the siblings drawn before this one
-            total = proposal.sum()
-            if total <= 0:
-                break
-            proposal /= total
+            proposal = q
+            if rank:  # q without the siblings drawn before this one
+                proposal = q.clone()
+                proposal[draws[:rank]] = 0
+                total = proposal.sum()
+                if total <= 0:
+                    break
+                proposal /= total
             x = draws[rank]
             px, qx = float(residual[x]), float(proposal[x])
+            if qx <= 0:  # a draw q gives no mass (float rounding at low temperatures): stopping here stays exact
+                break
             u = float(torch.rand((), generator=self.generator, device=p.device))
-            tests.append(AcceptTest(depth=depth, token=x, p=px, q=qx, u=u, accepted=u * qx < px))
+            tests.append(AcceptTest(depth=depth, token=x, p=px, q=qx, u=u, accepted=u * qx < px, rank=rank))
             if tests[-1].accepted:
                 return i, None, tests
             left = (residual - proposal).clamp(min=0)
@@ -141,6 +147,7 @@ class TokenChooser:
         return None, token, tests
 
     def sample(self, p: torch.Tensor) -> int:
+        """One token drawn from the distribution p (V,)."""
         return int(torch.multinomial(p, 1, generator=self.generator))
 
     def accept(self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int, list[AcceptTest]]:

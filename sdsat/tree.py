@@ -78,11 +78,6 @@ class DraftTree:
         ranks = torch.tensor([p[-1] for p in self.paths], device=draws.device)
         return draws[depths, ranks]
 
-    def candidates(self, q: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Greedy: q (depth, V) -> the node tokens (n,), node (r_1..r_j) taking the r_j-th most likely token
-        of q_j, and each node's rank."""
-        return self.node_tokens(q.topk(self.width, dim=-1).indices), [p[-1] for p in self.paths]
-
     @functools.cached_property
     def attention_mask(self) -> torch.Tensor:
         """(1, 1, 1 + n, 1 + n) over the block [t, nodes]: each node sees t, its ancestors and itself."""

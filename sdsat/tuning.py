@@ -66,7 +66,7 @@ class Tuning:
     trace: Trace | None = field(default=None, repr=False)
     max_k: int = 0
     noisy: dict[str, bool] = field(default_factory=dict)  # by precision: measured while the cores were busy
-    _plans: dict = field(default_factory=dict, repr=False, compare=False)  # plan_for's other plans, kept
+    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # plan_for's other plans
 
     def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0) -> Plan | None:

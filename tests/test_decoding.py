@@ -423,7 +423,7 @@ def test_tree_pass_keeps_the_accepted_rows_as_a_plain_pass_would():
         q[0, (nxt + 1) % VOCAB], q[0, nxt] = 0.5, 0.4
         q[1, after] = 0.5
         tree = DraftTree(((0,), (0, 0), (1,), (1, 0)))
-        tokens, ranks = tree.candidates(q / q.sum(-1, keepdim=True))
+        tokens, ranks = tree.node_tokens(q.topk(tree.width, dim=-1).indices), [path[-1] for path in tree.paths]
         verdict = verify_tree(sat_model, TokenChooser(SamplingConfig(), torch.device("cpu")), cache, t, tokens, tree)
     assert (verdict.accepted, verdict.shown, [ranks[i] for i in verdict.shown_rows]) == (2, [nxt, after], [1, 0])
     nodes = verdict.node_tokens

@@ -24,6 +24,7 @@ from ..planner import LOOKUP_TOKENS, MISSED, TRACE_FILE, PromptTrace, SampledAcc
 from ..tree import MAX_EXTRA
 
 SAMPLED = ((0.7, 0.95), (1.0, 1.0))  # (temperature, top_p) of the sampled acceptance measured
+MIN_TRIES = 20  # a pass rate from fewer tries is too thin to plan with
 
 
 def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> list[list[int]]:
@@ -54,7 +55,9 @@ def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: 
 
 def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_new_tokens: int) -> SampledAcceptance:
     """Pass rates of sampled accept tests over seeded decodes of `prompts` with k = the SATs' depth, every
-    runner-up of the draft tree and prompt lookup: per depth and try, and per copy."""
+    runner-up of the draft tree and prompt lookup: per depth and try, and per copy. A sibling the tree had but
+    q could not supply (top-k / top-p left fewer tokens) counts as a failed try, as the planner's replay
+    assumes every sibling is there; a rate from fewer than MIN_TRIES tries is kept as 0."""
     from ..config import DecodeConfig
     from ..sampling import SamplingConfig
 
@@ -64,22 +67,32 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_ne
                               tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS,
                               sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p, seed=seed))
         for step in engine.generate(prompt.text, config).steps:
+            if step.draft_source == "lookup":
+                for test in step.accept_tests:
+                    tried["copy", test.depth] += 1
+                    passed["copy", test.depth] += test.accepted
+                continue
             attempts = Counter()
             for test in step.accept_tests:
-                if step.draft_source == "lookup":
-                    key = ("copy", test.depth)
-                else:
-                    key = ("sat", test.depth, attempts[test.depth])
-                    attempts[test.depth] += 1
-                tried[key] += 1
-                passed[key] += test.accepted
+                tried["sat", test.depth, attempts[test.depth]] += 1
+                passed["sat", test.depth, attempts[test.depth]] += test.accepted
+                attempts[test.depth] += 1
+            last = step.accept_tests[-1] if step.accept_tests else None
+            if last is not None and not last.accepted:  # the walk ended at this depth: siblings not drawn failed
+                walked = step.draft_ranks[:last.depth - 1]
+                siblings = sum(len(path) == last.depth and path[:-1] == walked for path in step.tree_paths)
+                for attempt in range(attempts[last.depth], siblings):
+                    tried["sat", last.depth, attempt] += 1
+
+    def rate(key) -> float:
+        return passed[key] / tried[key] if tried[key] >= MIN_TRIES else 0.0
+
     sats = [key for key in tried if key[0] == "sat"]
     depth = max((key[1] for key in sats), default=0)
-    rows = [[passed["sat", d, i] / tried["sat", d, i] for i in range(1 + max(a for _, dd, a in sats if dd == d))]
+    rows = [[rate(("sat", d, i)) for i in range(1 + max(a for _, dd, a in sats if dd == d))]
             for d in range(1, depth + 1)]
     longest = max((key[1] for key in tried if key[0] == "copy"), default=0)
-    return SampledAcceptance(temperature, top_p, rows,
-                             [passed["copy", j] / tried["copy", j] for j in range(1, longest + 1)])
+    return SampledAcceptance(temperature, top_p, rows, [rate(("copy", j)) for j in range(1, longest + 1)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,7 @@ class AutoChoice:
     record: dict = field(default_factory=dict, compare=False, hash=False)  # {"settings", "plan", "note"}
 
 
-def auto_choices(tuning: Tuning, max_k: int, temperatures: list[float] = (), top_p: float = 1.0,
+def auto_choices(tuning: Tuning, max_k: int, temperatures: tuple[float, ...] = (), top_p: float = 1.0,
                  ) -> tuple[AutoChoice, dict[float, AutoChoice]]:
     """The auto recipe's choices from a tuning: its greedy plan, and per sampling temperature the plan for
     sampling at it (`plan_for(greedy=False)`); without a plan (no acceptance trace) the default settings
@@ -135,7 +135,7 @@ def run_label(run: dict) -> str:
 
 def plan_variants(methods: list[str], k_list: list[int], sample_k: int, temperatures: list[float],
                   lookup_tokens: int, max_k: int, recipes: tuple[str, ...] = ("two_step",),
-                  tree_candidates: int = 2, auto: tuple[AutoChoice, AutoChoice] | None = None,
+                  tree_candidates: int = 2, auto: tuple[AutoChoice, dict[float, AutoChoice]] | None = None,
                   baselines: tuple[str, ...] = ()) -> list[Variant]:
     """The variants of a run, in a fixed order (vanilla first when present).
 

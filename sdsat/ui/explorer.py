@@ -181,10 +181,7 @@ def _accept_tests(v: _View) -> str:
         return ""
     header = "".join(f'<th title="{esc_title(tip)}">{esc(name)}</th>' if tip else f"<th>{esc(name)}</th>"
                      for name, tip in TEST_COLUMNS)
-    rows, tries = [], {}
-    for test in tests:
-        tries[test.depth] = tries.get(test.depth, 0) + 1
-        rows.append(_test_row(v, test, tries[test.depth]))
+    rows = [_test_row(v, test) for test in tests]
     if v.bonus is not None and tests[-1].accepted:  # the walk ended past its last test: the bonus is from p
         rows.append(f'<tr><td colspan="{len(TEST_COLUMNS)}" class="muted">the bonus '
                     f'{_chip(v.word(v.bonus, ""), "src-bonus")} was drawn from p after the last accepted draft'
@@ -194,7 +191,7 @@ def _accept_tests(v: _View) -> str:
             f'</table></div><div class="ex-rule muted">{esc(ACCEPT_RULE)}</div></div>')
 
 
-def _test_row(v: _View, test: AcceptTest, attempt: int) -> str:
+def _test_row(v: _View, test: AcceptTest) -> str:
     name = f"{v.d}{test.depth}"
     verdict = ('<span class="verdict ok">✓ accepted</span>' if test.accepted else
                '<span class="verdict bad">✗ rejected</span>')
@@ -205,8 +202,9 @@ def _test_row(v: _View, test: AcceptTest, attempt: int) -> str:
     if test.replacement is not None:
         residual += (f' <span class="muted">→ drew</span> '
                      f'{_chip(v.word(test.replacement, ""), "src-bonus", "drawn from the residual")}')
-    cells = [name, draw_name(attempt - 1), _chip(v.word(test.token, ""), "draft" if test.accepted else "tree-no"),
-             f"{test.p:.3f}" + (_sub("residual") if attempt > 1 else ""), f"{test.q:.3f}", f"{test.ratio:.3f}",
+    tried = "copy" if v.copied else draw_name(test.rank)
+    cells = [name, tried, _chip(v.word(test.token, ""), "draft" if test.accepted else "tree-no"),
+             f"{test.p:.3f}" + (_sub("residual") if test.rank else ""), f"{test.q:.3f}", f"{test.ratio:.3f}",
              f"{test.u:.3f}", verdict, residual]
     return "<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
 
@@ -249,14 +247,14 @@ def _tree_cells(step: StepRecord, word, k: int, name=choice_name) -> list[str]:
     """One cell per depth: the draft tree's candidates there, marked accepted, turned down or not reached
     (sampled: not tried, when a sibling drawn before it was accepted)."""
     walked = step.draft_ranks[:step.accepted]
-    rejected = {(test.depth, test.token) for test in step.accept_tests if not test.accepted}
+    rejected = {(test.depth, test.rank) for test in step.accept_tests if not test.accepted}
     cells = ['<span class="muted">—</span>'] + [""] * (k + 1)
     for path, token in zip(step.tree_paths, step.tree_tokens):
         depth = len(path)
         compared = path[:-1] == walked[:depth - 1] and depth - 1 <= len(walked)  # its parent was accepted
         if path == walked[:depth] and depth <= len(walked):
             cls, mark = "draft", "✓"
-        elif compared and (not step.accept_tests or (depth, token) in rejected):
+        elif compared and (not step.accept_tests or (depth, path[-1]) in rejected):
             cls, mark = "tree-no", "✗"  # greedy: the model compared it; sampled: its accept test failed
         else:
             cls, mark = "tree-skip", "·"  # below a candidate turned down, or not tried

@@ -23,7 +23,8 @@ from ..models import ModelLoadError
 from . import explorer, figures, zerogpu
 from .headline import headline_html, progress_html
 from .machine import MachineView, auto_line, machine_view
-from .presets import AUTO, CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, auto_settings, scheme_of, scheme_settings
+from .presets import (AUTO, CUSTOM, DEFAULT_SCHEME, PAGE_SAMPLING, SCHEME_LABELS, auto_settings, scheme_of,
+                      scheme_settings)
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html, vanilla_html, waiting_html
@@ -43,6 +44,7 @@ RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "p
 # What `Page.model_controls` updates, in order (app.py lists its components in this order).
 MODEL_OUTPUTS = ("k", "lookup_tokens", "tree_candidates", "scheme", "auto_note", "chat", "chat_examples", "machine",
                  "machine_plot")
+PAGE_PLAN = (PAGE_SAMPLING["temperature"], PAGE_SAMPLING["top_p"])  # what the page's sampled auto is planned for
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
 
 
@@ -162,7 +164,7 @@ class Page:
         return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=chosen["k"]),
                 gr.update(value=chosen["lookup_tokens"]), gr.update(value=chosen["tree_candidates"]),
                 gr.update(value=DEFAULT_SCHEME),
-                auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring)),
+                auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring, *PAGE_PLAN)),
                 gr.update(visible=chat, value=False), gr.update(visible=chat), view.html, view.figure)
 
     @visitor_errors
@@ -186,14 +188,14 @@ class Page:
         tree_candidates, timer, watched). Never loads a model nor waits for one."""
         skip = gr.skip()
         if not self.cache.is_loaded(model):
-            return (skip,) * 6 + (gr.Timer(active=self.cache.failure(model) is None), watched)
+            return (skip,) * 6 + (gr.Timer(active=self.cache.failure(model) is None), True)  # it loads meanwhile
         engine = self.cache.get(model)
         measuring = engine.measuring  # read once: the tuning thread clears it right after the swap below
         if measuring is None and self.cache.get(model) is not engine:  # the tuned engine replaced this one
             engine = self.cache.get(model)
             measuring = engine.measuring
         chosen = auto_settings(engine.tuning, mode != "sampling", engine.max_k)
-        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", measuring))
+        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", measuring, *PAGE_PLAN))
         view = self.machine(engine)
         if measuring is not None:
             return note, view.html, skip, skip, skip, skip, gr.Timer(active=True), True
