@@ -40,6 +40,8 @@ SUITES = {"trees-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15, aut
                                            "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, chain and draft trees"),
           "sampling-chat-t07": ("sampling-chat-t07", "Sampling at T=0.7, top-p 0.95: held-out chat prompts"),
           "sampling-humaneval-16-35-t1": ("sampling-humaneval-16-35-t1", "Sampling at T=1: HumanEval 16–35"),
+          "sampling-humaneval-16-35-t1-auto": ("sampling-humaneval-16-35-t1-auto",
+                                               "Sampling at T=1: HumanEval 16–35, auto after the re-measured trace"),
           "humaneval-164": ("humaneval-164", "HumanEval, all 164 problems" + OLDER),
           "": ("humaneval-16", "HumanEval problems 0–15, every method" + OLDER),
           "humaneval-256": ("humaneval-16-256tok", "HumanEval problems 0–15, 256 new tokens" + OLDER),
