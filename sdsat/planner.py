@@ -73,9 +73,8 @@ class SampledAcceptance:
         """Expected accepted drafts of a verify pass over `tree`: at each node its children are tried in rank
         (draw) order, the i-th passing with rate(depth, i), and an accepted child's subtree is walked next."""
         def below(node: int, depth: int) -> float:
-            children = sorted(tree.children.get(node, []), key=lambda c: tree.paths[c][-1])
             reach, total = 1.0, 0.0
-            for attempt, child in enumerate(children):
+            for attempt, child in enumerate(tree.children.get(node, [])):
                 passed = reach * self.rate(depth, attempt)
                 total += passed * (1 + below(child, depth + 1))
                 reach -= passed

@@ -58,11 +58,12 @@ class DraftTree:
 
     @functools.cached_property
     def children(self) -> dict[int, list[int]]:
-        """Per node index (-1 for t), its children's node indices in listed order."""
+        """Per node index (-1 for t), its children's node indices by rank: the order sampled siblings are
+        tried in."""
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(i)
-        return children
+        return {node: sorted(kids, key=lambda c: self.paths[c][-1]) for node, kids in children.items()}
 
     @functools.cached_property
     def width(self) -> int:
@@ -100,7 +101,7 @@ class DraftTree:
         """Greedy verification; predictions are the model's argmax at [t, nodes], tokens the node tokens.
 
         Returns the accepted nodes (a path from t) and the path shown for them: the accepted nodes, then
-        the first-listed child at each level below, down to a leaf (the draft the model turned down first).
+        the first-ranked child at each level below, down to a leaf (the draft the model turned down first).
         """
         children = self.children
         accepted, node = [], -1
@@ -114,7 +115,7 @@ class DraftTree:
         return accepted, self.shown(accepted)
 
     def shown(self, accepted: list[int]) -> list[int]:
-        """The path a record shows for these accepted nodes: them, then the first-listed child at each level
+        """The path a record shows for these accepted nodes: them, then the first-ranked child at each level
         below, down to a leaf (the draft turned down first)."""
         shown, node = list(accepted), accepted[-1] if accepted else -1
         while self.children.get(node):

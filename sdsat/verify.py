@@ -112,8 +112,7 @@ def _sample_walk(chooser: TokenChooser, tree: DraftTree, p: torch.Tensor, q: tor
     accepted, tests, node = [], [], -1
     while True:
         depth = len(accepted)
-        children = sorted((c for c in tree.children.get(node, []) if tree.paths[c][-1] < valid[depth]),
-                          key=lambda c: tree.paths[c][-1])
+        children = [c for c in tree.children.get(node, []) if tree.paths[c][-1] < valid[depth]]
         if not children:
             return accepted, chooser.sample(p[node + 1]), tests
         taken, bonus, tried = chooser.try_siblings(p[node + 1], q[depth], draws[depth],

@@ -36,6 +36,12 @@ SUITES = {"trees-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15, aut
           "final-humaneval-16-35": ("auto-humaneval-16-35",
                                     "HumanEval 16–35 (held out), auto against the fastest vanilla"),
           "gpu-h200-float32": ("gpu-h200-float32", "HumanEval 0–7 on an NVIDIA H200 GPU, float32"),
+          "sampling-fastest-humaneval-16-25-t07": ("sampling-fastest-humaneval-16-25-t07",
+                                                   "Sampling at T=0.7, top-p 0.95: HumanEval 16–25, auto against "
+                                                   "the fastest vanilla"),
+          "sampling-fastest-heldout-code-t07": ("sampling-fastest-heldout-code-t07",
+                                                "Sampling at T=0.7, top-p 0.95: held-out code prompts, auto against "
+                                                "the fastest vanilla"),
           "sampling-humaneval-16-35-t07": ("sampling-humaneval-16-35-t07",
                                            "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, chain and draft trees"),
           "sampling-chat-t07": ("sampling-chat-t07", "Sampling at T=0.7, top-p 0.95: held-out chat prompts"),

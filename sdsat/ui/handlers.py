@@ -23,8 +23,7 @@ from ..models import ModelLoadError
 from . import explorer, figures, zerogpu
 from .headline import headline_html, progress_html
 from .machine import MachineView, auto_line, machine_view
-from .presets import (AUTO, CUSTOM, DEFAULT_SCHEME, PAGE_SAMPLING, SCHEME_LABELS, auto_settings, scheme_of,
-                      scheme_settings)
+from .presets import AUTO, CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, auto_settings, scheme_of, scheme_settings
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
 from .render import esc, sdsat_html, vanilla_html, waiting_html
@@ -44,7 +43,6 @@ RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "p
 # What `Page.model_controls` updates, in order (app.py lists its components in this order).
 MODEL_OUTPUTS = ("k", "lookup_tokens", "tree_candidates", "scheme", "auto_note", "chat", "chat_examples", "machine",
                  "machine_plot")
-PAGE_PLAN = (PAGE_SAMPLING["temperature"], PAGE_SAMPLING["top_p"])  # what the page's sampled auto is planned for
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
 
 
@@ -164,7 +162,7 @@ class Page:
         return (gr.update(minimum=1, maximum=engine.max_k, step=1, value=chosen["k"]),
                 gr.update(value=chosen["lookup_tokens"]), gr.update(value=chosen["tree_candidates"]),
                 gr.update(value=DEFAULT_SCHEME),
-                auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring, *PAGE_PLAN)),
+                auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", engine.measuring)),
                 gr.update(visible=chat, value=False), gr.update(visible=chat), view.html, view.figure)
 
     @visitor_errors
@@ -195,7 +193,7 @@ class Page:
             engine = self.cache.get(model)
             measuring = engine.measuring
         chosen = auto_settings(engine.tuning, mode != "sampling", engine.max_k)
-        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", measuring, *PAGE_PLAN))
+        note = auto_note_html(auto_line(engine.tuning, chosen, mode != "sampling", measuring))
         view = self.machine(engine)
         if measuring is not None:
             return note, view.html, skip, skip, skip, skip, gr.Timer(active=True), True

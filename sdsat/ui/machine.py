@@ -28,6 +28,7 @@ from ..hardware import hardware_line
 from ..planner import Settings, predict
 from ..tuning import INVARIANT, PER_ROW, ROUTED, TuneProgress, Tuning, dtype_name, form_of
 from . import figures
+from .presets import PAGE_SAMPLING
 from .presets import auto_settings
 from .render import esc
 from .zerogpu import on_zero_gpu
@@ -82,9 +83,9 @@ def measuring_line(progress: TuneProgress, chosen: dict) -> str:
 
 
 def auto_line(tuning: Tuning | None, chosen: dict, greedy: bool = True, measuring: TuneProgress | None = None,
-              temperature: float = 1.0, top_p: float = 1.0) -> str:
+              temperature: float = PAGE_SAMPLING["temperature"], top_p: float = PAGE_SAMPLING["top_p"]) -> str:
     """One line on what auto chose here and why (the plan's reason, or why there is no plan); for sampling, the
-    plan at `temperature` and `top_p`."""
+    plan at `temperature` and `top_p` (the page's defaults unless given, as `auto_settings`)."""
     if measuring is not None and tuning is None:
         return measuring_line(measuring, chosen)
     if tuning is None:
