@@ -115,8 +115,11 @@ def test_training_takes_draft_acceptance_from_near_zero_to_high(tmp_path, real_t
     assert sdsat.tokens_per_forward_pass > 2.0, sdsat.summary()
 
 
-def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
-    """Adapter mode distils a frozen base: acceptance rises, and a resumed run continues where it stopped."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer, dtype):
+    """Adapter mode distils a frozen base: acceptance rises, and a resumed run continues where it stopped.
+    In bfloat16 the products run in bfloat16 and what trains stays float32 (Adam on bfloat16 weights
+    loses small updates)."""
     torch.manual_seed(0)
     base = make_tiny_llama(vocab_size=VOCAB, hidden_size=64)
     corpus = counting_corpus(64, 48, seed=0)
@@ -127,17 +130,21 @@ def test_adapter_training_learns_and_resumes(tmp_path, real_tokenizer):
                               weights={"counting": 1.0}, held_out=4, eval_every=200, checkpoint_every=200)
     train(base_config, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
     base.requires_grad_(False).eval()
+    base.to(getattr(torch, dtype))  # as train() loads a frozen base: in the compute precision
     frozen = {k: v.clone() for k, v in base.state_dict().items()}
 
     config = TrainConfig(mode="adapter", model="tiny", out=str(tmp_path / "adapter"), num_sats=3, rank=4,
                          sat_token="<file_sep>",
                          alpha=16.0, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], inject_layer=0,
                          steps=160, batch_size=8, seq_len=32, runs_per_seq=8, lr=1e-2, warmup=10,
-                         weights={"counting": 1.0}, held_out=4, eval_every=80, checkpoint_every=80)
+                         weights={"counting": 1.0}, held_out=4, eval_every=80, checkpoint_every=80, dtype=dtype)
     half = TrainConfig(**{**config.__dict__, "steps": 160})
     record = train(half, model=base, tokenizer=real_tokenizer, corpus=corpus, progress=False)
     acceptance = record["evals"][-1]["acceptance_by_position"]["counting"]
     assert acceptance[0] > 0.8, acceptance
+    assert record["throughput"]["dtype"] == dtype and record["throughput"]["tokens_per_second"] > 0
+    state = torch.load(tmp_path / "adapter" / "checkpoint.pt", weights_only=True)
+    assert {v.dtype for v in state["trainable"].values()} == {torch.float32}
     assert all(torch.equal(v, frozen[k]) for k, v in base.state_dict().items()), "adapter mode must not touch the base"
 
     # Resume: a longer run picks up the checkpoint at step 160 rather than starting again.
@@ -209,6 +216,7 @@ def test_eval_windows_cover_short_sequences_too():
     (["--weights", '[1, 2]'], "weights must map source names"),
     (["--layers", "-1"], "layers must be a list of decoder layer numbers"),
     (["--mode", "full"], "mode must be one of adapter, paper; got 'full'"),
+    (["--dtype", "float16"], "dtype must be one of bfloat16, float32; got 'float16'"),
     (["--seq-len", "4"], "seq_len must be at least num_sats + 3 = 8, got 4"),
 ])
 def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, args, message):

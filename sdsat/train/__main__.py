@@ -31,6 +31,8 @@ _HELP = {
     "sat_token": "paper: the vocabulary token used as SAT (also the adapter's initial embedding)",
     "paper_lora_rank": "paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank",
     "target": "adapter: argmax (match the base model's token) or distribution (its full distribution)",
+    "dtype": "compute precision: bfloat16 (autocast: products in bfloat16, losses and trained weights float32) "
+             "or float32 (the shipped adapter's)",
     "offset_decay": "loss weight of SAT j is decay ** j (1.0: equal weights)",
     "steps": "optimizer steps in total (a resumed run continues to this step)",
     "batch_size": "sequences per optimizer step",

@@ -13,6 +13,7 @@ Two modes, one example builder and one loss:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ class TrainConfig:
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
+    dtype: str = "bfloat16"  # compute precision: "bfloat16" (autocast; what trains stays float32) or "float32"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
     steps: int = 900  # optimizer steps
     batch_size: int = 2  # sequences per step
@@ -81,7 +83,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Every setting by type and range, as the decoder's are; raises ValueError naming the first bad one."""
-        for name, choices in (("mode", ("adapter", "paper")), ("target", ("argmax", "distribution"))):
+        for name, choices in (("mode", ("adapter", "paper")), ("target", ("argmax", "distribution")),
+                              ("dtype", ("bfloat16", "float32"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         for name in ("model", "out", "sat_token"):
@@ -263,8 +266,10 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
-        # Training changes weights (paper mode) that routed CPU kernels would hold stale copies of.
-        model, tokenizer = load_model(LoadConfig(model=config.model, cpu_kernels=False))
+        # Training changes weights (paper mode) that routed CPU kernels would hold stale copies of. A frozen
+        # base is held in the compute precision (no cast per product); weights that train stay float32.
+        dtype = config.dtype if config.mode == "adapter" else "float32"
+        model, tokenizer = load_model(LoadConfig(model=config.model, dtype=dtype, cpu_kernels=False))
     corpus = corpus or build_corpus(config, model, tokenizer)
     train_corpus, held_out = (corpus.split_stable(config.held_out) if config.corpus  # it grows between runs
                               else corpus.split(config.held_out, random.Random(config.seed)))
@@ -275,6 +280,8 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
 
     sat_model, params = prepare(config, model, tokenizer)
     sat_model.model.train(config.mode == "paper")
+    if sat_model.adapter is not None:
+        sat_model.adapter.float()  # attach() gave it the model's dtype; Adam needs float32 weights
     groups = [dict(group, lr=config.lr * group["lr_scale"]) for group in params]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     params = [p for group in groups for p in group["params"]]
@@ -303,27 +310,41 @@ def _loop(config, out, sat_model, params, optimizer, scheduler, sampler, layouts
     for step in bar:
         ids = sampler.batch(config.batch_size).to(sat_model.device)
         layout = sample_layout(config.seq_len, config.runs_per_seq, config.num_sats, layouts)
-        loss, by_offset = sat_loss(config, sat_model, ids, layout)
+        with compute_precision(config, sat_model.device):
+            loss, by_offset = sat_loss(config, sat_model, ids, layout)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
         wall = wall_before + time.perf_counter() - started
-        record["steps"].append({"step": step + 1, "loss": float(loss), "loss_by_offset": by_offset,
+        seen = (step + 1 - start_step) * config.batch_size
+        record["throughput"] = {"tokens_per_second": round(seen * config.seq_len / (wall - wall_before), 1),
+                                "sats_per_second": round(seen * layout.num_sats / (wall - wall_before), 1),
+                                "dtype": config.dtype, "device": str(sat_model.device)}  # of this run's part
+        record["steps"].append({"step": step + 1, "loss": float(loss.detach()), "loss_by_offset": by_offset,
                                 "lr": scheduler.get_last_lr()[0],
                                 "tokens_seen": (step + 1) * config.batch_size * config.seq_len,
                                 "sats_seen": (step + 1) * config.batch_size * layout.num_sats, "wall_seconds": wall})
-        bar.set_postfix(loss=f"{float(loss):.3f}", d1=f"{by_offset[0]:.2f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", d1=f"{by_offset[0]:.2f}",
+                        tok_s=f"{record['throughput']['tokens_per_second']:.0f}")
         last = step + 1 == config.steps
         if (step + 1) % config.eval_every == 0 or last:
-            acceptance = {name: draft_acceptance(sat_model, w.to(sat_model.device), config.num_sats)
-                          for name, w in eval_windows.items()}
+            with compute_precision(config, sat_model.device):
+                acceptance = {name: draft_acceptance(sat_model, w.to(sat_model.device), config.num_sats)
+                              for name, w in eval_windows.items()}
             record["evals"].append({"step": step + 1, "acceptance_by_position": acceptance, "wall_seconds": wall})
             bar.write(f"step {step + 1}: held-out acceptance by position " +
                       "; ".join(f"{k}: " + " ".join(f"{a:.2f}" for a in v) for k, v in acceptance.items()))
         if (step + 1) % config.checkpoint_every == 0 or last:
             _checkpoint(out, sat_model, optimizer, scheduler, sampler, layouts, record, step + 1, wall)
+
+
+def compute_precision(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """Products in bfloat16 where config.dtype asks for it (losses and softmaxes stay float32: autocast)."""
+    if config.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def save_trained(sat_model: SatModel, folder: Path, record: dict) -> None:
