@@ -308,3 +308,20 @@ def test_export_replaces_the_target_whole_or_not_at_all(tmp_path, monkeypatch, c
     assert {p.name: p.read_text() for p in target.iterdir()} == {p.name: p.read_text() for p in sats.iterdir()} | {
         "tuning.json": "notes"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
+
+
+@pytest.mark.parametrize("schedule, equal", [("constant", True), ("cosine", False)])
+def test_a_constant_schedule_run_stopped_and_resumed_equals_one_run(tmp_path, real_tokenizer, schedule, equal):
+    """Under a constant learning rate a run of 4 steps, resumed to 8, ends where a run of 8 ends: each point of
+    a learning curve is a stop of one run. Under cosine the first 4 steps decay toward 4, so they differ."""
+    ends = []
+    for folder, stops in (("one", [8]), ("resumed", [4, 8])):
+        config, data = tiny_run(tmp_path / folder)
+        for steps in stops:
+            stop = TrainConfig(**{**config.__dict__, "steps": steps, "lr_schedule": schedule, "eval_every": 8})
+            torch.manual_seed(0)
+            record = train(stop, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
+        ends.append((record["steps"][-1]["loss"], torch.load(tmp_path / folder / "run" / "checkpoint.pt",
+                                                             weights_only=True)["trainable"]))
+    (loss_one, one), (loss_resumed, resumed) = ends
+    assert (loss_one == loss_resumed and all(torch.equal(one[k], resumed[k]) for k in one)) == equal

@@ -38,7 +38,9 @@ _HELP = {
     "batch_size": "sequences per optimizer step",
     "seq_len": "standard tokens per training sequence",
     "runs_per_seq": "SAT runs inserted at random points of each sequence",
-    "lr": "peak learning rate, after warm-up, then cosine decay",
+    "lr": "peak learning rate, reached after warm-up",
+    "lr_schedule": "after warm-up: cosine (decay to 0 at --steps) or constant (a run stopped at step n equals a "
+                   "run of n steps: resume with more --steps for the next point of a learning curve)",
     "embedding_lr_scale": "adapter: learning-rate multiplier for SAT embeddings that enter above layer 0",
     "warmup": "warm-up steps (linear rise to --lr)",
     "seed": "seed of data, SAT layouts and initialisation",

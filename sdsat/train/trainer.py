@@ -64,7 +64,9 @@ class TrainConfig:
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
     runs_per_seq: int = 40  # SAT runs inserted per sequence
-    lr: float = 3e-3  # peak learning rate (cosine decay after warm-up)
+    lr: float = 3e-3  # peak learning rate
+    lr_schedule: str = "cosine"  # after warm-up: "cosine" decay to 0 at `steps`, or "constant" (a run stopped
+    # at step n then equals a run of n steps, so one run gives a learning curve)
     embedding_lr_scale: float = 30.0  # adapter: SAT embeddings injected above layer 0 learn this much faster,
     # since they must stand out against a residual stream far larger than a fresh parameter
     warmup: int = 10  # warm-up steps
@@ -84,7 +86,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Every setting by type and range, as the decoder's are; raises ValueError naming the first bad one."""
         for name, choices in (("mode", ("adapter", "paper")), ("target", ("argmax", "distribution")),
-                              ("dtype", ("bfloat16", "float32"))):
+                              ("dtype", ("bfloat16", "float32")),
+                              ("lr_schedule", ("cosine", "constant"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         for name in ("model", "out", "sat_token"):
@@ -285,8 +288,10 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
     groups = [dict(group, lr=config.lr * group["lr_scale"]) for group in params]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
     params = [p for group in groups for p in group["params"]]
-    schedule = lambda step: (min(1.0, (step + 1) / config.warmup)  # noqa: E731
-                             * 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps)))
+    def schedule(step: int) -> float:
+        decay = 0.5 * (1 + math.cos(math.pi * min(step, config.steps) / config.steps))
+        return min(1.0, (step + 1) / config.warmup) * (decay if config.lr_schedule == "cosine" else 1.0)
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     layouts = torch.Generator().manual_seed(config.seed + 1)
     record = {"config": asdict(config), "steps": [], "evals": []}
