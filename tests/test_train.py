@@ -217,6 +217,7 @@ def test_eval_windows_cover_short_sequences_too():
     (["--layers", "-1"], "layers must be a list of decoder layer numbers"),
     (["--mode", "full"], "mode must be one of adapter, paper; got 'full'"),
     (["--dtype", "float16"], "dtype must be one of bfloat16, float32; got 'float16'"),
+    (["--steps", "10", "--save-at", "5", "11"], "save_at must be a list of steps from 1 to steps = 10, got [5, 11]"),
     (["--seq-len", "4"], "seq_len must be at least num_sats + 3 = 8, got 4"),
 ])
 def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, args, message):
@@ -325,3 +326,19 @@ def test_a_constant_schedule_run_stopped_and_resumed_equals_one_run(tmp_path, re
                                                              weights_only=True)["trainable"]))
     (loss_one, one), (loss_resumed, resumed) = ends
     assert (loss_one == loss_resumed and all(torch.equal(one[k], resumed[k]) for k in one)) == equal
+
+
+def test_save_at_keeps_the_sats_of_each_named_step(tmp_path, real_tokenizer):
+    config, data = tiny_run(tmp_path, steps=6)
+    config.save_at = [2, 4, 6]
+    train(config, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("sats*")) == ["sats", "sats-step2", "sats-step4", "sats-step6"]
+    models = {n: SatModel(make_tiny_llama(vocab_size=VOCAB), SatSpec.load(run / f"sats-step{n}")) for n in (2, 4)}
+    records = {n: __import__("json").loads((run / f"sats-step{n}" / "training_record.json").read_text())
+               for n in (2, 4, 6)}
+    assert [len(records[n]["steps"]) for n in (2, 4, 6)] == [2, 4, 6]
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    logits = {n: m.forward(ids, torch.tensor([[-1] * 6])) for n, m in models.items()}
+    assert torch.equal(logits[2], logits[4])  # standard tokens: the same base
+    assert (run / "sats-step6" / "model.safetensors").read_bytes() == (run / "sats" / "model.safetensors").read_bytes()

@@ -55,6 +55,7 @@ _HELP = {
     "held_out": "sequences per source kept out of training for evaluation",
     "eval_every": "steps between held-out acceptance evaluations",
     "checkpoint_every": "steps between checkpoints",
+    "save_at": "steps whose SATs are also saved, each as <out>/sats-step<N> (the points of a learning curve)",
 }
 
 
@@ -67,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "weights":
             parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=_HELP.get(f.name))
-        elif f.name in ("target_modules", "layers"):
+        elif f.name in ("target_modules", "layers", "save_at"):
             parser.add_argument(flag, nargs="+", type=str if f.name == "target_modules" else int, default=default,
                                 metavar="NAME" if f.name == "target_modules" else "N", help=_HELP.get(f.name))
         else:

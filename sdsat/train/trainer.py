@@ -82,6 +82,7 @@ class TrainConfig:
     held_out: int = 8  # sequences per source kept for evaluation
     eval_every: int = 125  # steps between acceptance evaluations
     checkpoint_every: int = 25  # steps between checkpoints
+    save_at: list[int] = field(default_factory=list)  # steps whose SATs are also saved, as sats-step<N>/ (curves)
 
     def validate(self) -> None:
         """Every setting by type and range, as the decoder's are; raises ValueError naming the first bad one."""
@@ -106,6 +107,9 @@ class TrainConfig:
         if (not isinstance(self.target_modules, list) or not self.target_modules
                 or not all(isinstance(m, str) and m for m in self.target_modules)):
             raise ValueError(f"target_modules must be a non-empty list of module names, got {self.target_modules!r}")
+        if not isinstance(self.save_at, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= self.steps for i in self.save_at):
+            raise ValueError(f"save_at must be a list of steps from 1 to steps = {self.steps}, got {self.save_at!r}")
         if self.layers is not None and (not isinstance(self.layers, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
             raise ValueError(f"layers must be a list of decoder layer numbers (0 or more), got {self.layers!r}")
@@ -341,6 +345,8 @@ def _loop(config, out, sat_model, params, optimizer, scheduler, sampler, layouts
             record["evals"].append({"step": step + 1, "acceptance_by_position": acceptance, "wall_seconds": wall})
             bar.write(f"step {step + 1}: held-out acceptance by position " +
                       "; ".join(f"{k}: " + " ".join(f"{a:.2f}" for a in v) for k, v in acceptance.items()))
+        if step + 1 in config.save_at:
+            save_trained(sat_model, out / f"sats-step{step + 1}", record)
         if (step + 1) % config.checkpoint_every == 0 or last:
             _checkpoint(out, sat_model, optimizer, scheduler, sampler, layouts, record, step + 1, wall)
 

@@ -1,0 +1,128 @@
+"""`python -m sdsat.bench.drafts`: how often each set of SATs would be accepted in greedy decoding.
+
+For each prompt, vanilla's greedy output is decoded once; then, for each adapter, a draft pass at every
+output position over the true history (`acceptance.ranks_along`) tells whether SAT j's first choice is the
+token greedy decoding puts j places after the pass's own token. Draft j counts as accepted where it and
+every draft before it match, as greedy verification decides. This is acceptance in decoding, not on
+training text, and it compares adapters on the same outputs at a draft pass per position: what a
+learning curve needs. Speed is the benchmark's job (`python -m sdsat.bench --adapter DIR`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .acceptance import ranks_along
+
+
+def cumulative_acceptance(ranks: list[list[int]], k: int) -> tuple[list[float], int]:
+    """Per draft position j = 1..k, the share of draft passes whose drafts 1..j all match, over the passes
+    with all k drafts inside the output; and the number of those passes."""
+    rows = [row[:k] for row in ranks if len(row) >= k]
+    if not rows:
+        return [0.0] * k, 0
+    accepted = [0] * k
+    for row in rows:
+        for j in range(k):
+            if row[j] != 0:
+                break
+            accepted[j] += 1
+    return [a / len(rows) for a in accepted], len(rows)
+
+
+def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_new_tokens: int,
+            log=lambda line: None) -> dict:
+    """{suite: {"passes": n, "acceptance": {adapter: [draft 1..k]}}} over each suite's prompts, all together."""
+    from ..config import DecodeConfig
+    from ..decoding import collect
+    from ..sat import SatAdapter, SatModel, SatSpec
+
+    base = engine.sat_model
+    outputs = {}
+    for name, prompts in suites.items():
+        outputs[name] = []
+        for prompt in prompts:
+            ids = engine.encode(prompt.text, chat=prompt.kind == "chat")
+            result = collect(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=max_new_tokens)))
+            outputs[name].append((ids, result.token_ids))
+        log(f"{name}: vanilla output of {len(prompts)} prompts")
+    results = {name: {"passes": 0, "acceptance": {}} for name in suites}
+    for folder in adapters:
+        adapter = SatAdapter.load(folder)
+        if adapter.config.num_sats < k:
+            raise ValueError(f"k must be at most the adapter's {adapter.config.num_sats} SATs ({folder}); got {k}")
+        sat_model = SatModel(base.model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter)
+        try:
+            for name, pairs in outputs.items():
+                ranks = [row for ids, out in pairs for row in ranks_along(sat_model, ids, out, k)]
+                acceptance, passes = cumulative_acceptance(ranks, k)
+                results[name]["passes"] = passes
+                results[name]["acceptance"][str(folder)] = [round(a, 4) for a in acceptance]
+                log(f"{folder} {name}: " + " / ".join(f"{a:.2f}" for a in acceptance))
+        finally:
+            adapter.detach()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..cli import guarded
+
+    return guarded(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sdsat.bench.drafts", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("adapters", nargs="+", metavar="ADAPTER_DIR", help="SAT adapter folders to compare")
+    parser.add_argument("--humaneval", default="16-35", metavar="SPEC",
+                        help='HumanEval problems ("" for none; default 16-35, held out from the acceptance trace)')
+    parser.add_argument("--prompts", nargs="*", default=["assets/prompts/heldout_code.jsonl",
+                                                         "assets/prompts/heldout_chat.jsonl"], metavar="FILE",
+                        help="prompt files, one suite each (default: the held-out code and chat prompts)")
+    parser.add_argument("--k", type=int, default=3, help="drafts per pass (default 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="vanilla tokens per prompt")
+    parser.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
+    parser.add_argument("--model", default=None, metavar="ID_OR_DIR", help="base model (default: the embedded one)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", metavar="FILE", help="also write the results here as JSON")
+    args = parser.parse_args(argv)
+    for name, value, low in (("k", args.k, 1), ("max_new_tokens", args.max_new_tokens, 2)):
+        if value < low:
+            raise ValueError(f"{name} must be at least {low}, got {value}")
+    adapters = [Path(a) for a in args.adapters]
+    for folder in adapters:
+        if not (folder / "adapter_config.json").is_file():
+            raise ValueError(f"{folder} is not a SAT adapter folder (no adapter_config.json)")
+
+    from ..engine import Engine
+    from ..models import DEFAULT_MODEL, LoadConfig
+    from .prompts import file_prompts, humaneval_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    suites = {f"HumanEval {args.humaneval}": humaneval_prompts(args.humaneval)} if args.humaneval else {}
+    suites.update({Path(p).stem: file_prompts(p) for p in args.prompts})
+    engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, measure_kernels=False))
+    results = measure(engine, adapters, suites, args.k, args.max_new_tokens,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    command = "python -m sdsat.bench.drafts " + " ".join(argv if argv is not None else sys.argv[1:])
+    report = {"command": command, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+              "suites": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    width = max(len(str(a)) for a in adapters)
+    for name, suite in results.items():
+        print(f"{name} ({suite['passes']} draft passes): cumulative acceptance of drafts 1..{args.k}")
+        for folder, acceptance in suite["acceptance"].items():
+            print(f"  {folder:<{width}}  " + " / ".join(f"{a:.2f}" for a in acceptance)
+                  + f"   (expected drafts {sum(acceptance):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Acceptance of SAT drafts along vanilla's greedy output (`python -m sdsat.bench.drafts`): the learning
+curve's measure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sdsat.bench.drafts import cumulative_acceptance, main, measure
+from sdsat.engine import DEFAULT_ADAPTER
+from sdsat.sat import AdapterConfig, SatAdapter
+
+
+def test_a_draft_counts_only_when_every_draft_before_it_matched():
+    ranks = [[0, 0, 0], [0, 2, 0], [1, 0, 0], [0, 0, 5], [0, 0], [0]]  # the last two end past the output
+    acceptance, passes = cumulative_acceptance(ranks, 3)
+    assert passes == 4 and acceptance == [3 / 4, 2 / 4, 1 / 4]
+    assert cumulative_acceptance([[0]], 3) == ([0.0, 0.0, 0.0], 0)
+
+
+def test_the_shipped_sats_are_accepted_and_untrained_ones_are_not(default_engine, tmp_path):
+    from sdsat.bench.prompts import humaneval_prompts
+
+    config = AdapterConfig(**json.loads((DEFAULT_ADAPTER / "adapter_config.json").read_text()))
+    untrained = SatAdapter.for_model(default_engine.model, config)
+    untrained.save(tmp_path / "untrained")
+    results = measure(default_engine, [DEFAULT_ADAPTER, tmp_path / "untrained"],
+                      {"he": humaneval_prompts("16-17")}, k=3, max_new_tokens=24)["he"]
+    shipped, fresh = results["acceptance"][str(DEFAULT_ADAPTER)], results["acceptance"][str(tmp_path / "untrained")]
+    assert results["passes"] > 30
+    assert shipped[0] >= shipped[1] >= shipped[2] and shipped[0] > 0.4, shipped
+    assert shipped[0] > fresh[0] + 0.2 and shipped[1] > fresh[1] + 0.1, (shipped, fresh)
+    assert default_engine.sat_model.adapter is not None  # the engine's own SATs are still in place
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/nonexistent"], "/nonexistent is not a SAT adapter folder (no adapter_config.json)"),
+    ([str(DEFAULT_ADAPTER), "--k", "0"], "k must be at least 1, got 0"),
+])
+def test_bad_input_is_one_line(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
