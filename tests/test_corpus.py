@@ -132,3 +132,21 @@ def test_a_growing_corpus_never_holds_out_what_was_trained_on():
     assert len(test_1.sources["code_completions"]) == len(test_2.sources["code_completions"]) == 4
     assert not [s for s in test_2.sources["code_completions"] if s in train_1.sources["code_completions"]]
     assert sorted(train_2.sources["code_completions"] + test_2.sources["code_completions"]) == sorted(grown)
+
+
+def test_a_build_can_take_another_builds_prompts_with_its_own_batches(recipe, tiny, real_tokenizer, tmp_path):
+    """A GPU build reads the CPU build's prompt list (not the GPU machine's files), in bigger batches."""
+    corpus.prepare(recipe)
+    prompts = tmp_path / "corpus" / corpus.PROMPTS_FILE
+    other = corpus.CorpusRecipe(out=str(tmp_path / "gpu"), prompts_from=str(prompts), max_prompts=4,
+                                roots=[str(tmp_path / "nowhere")], shard_prompts=4, batch_size=4, max_new_tokens=5)
+    corpus.build(other, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    with gzip.open(prompts, "rt") as f:
+        first = [json.loads(line) for line in f][:4]
+    with gzip.open(tmp_path / "gpu" / corpus.PROMPTS_FILE, "rt") as f:
+        assert [json.loads(line) for line in f] == first
+    assert len(_shard(corpus.shard_path(tmp_path / "gpu", 0))) == 4
+    key = other.key()
+    prompts.write_bytes(gzip.compress(b'{"text": "x = 1", "chat": false}\n'))
+    assert other.key() != key  # the prompt file counts by its contents
+    assert corpus.CorpusRecipe(out="a").key() == corpus.CorpusRecipe(out="b", max_prompts=0).key()

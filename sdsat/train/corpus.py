@@ -63,10 +63,19 @@ class CorpusRecipe:
     chat_share: float = 0.4  # share of chat prompts in the interleaved list
     dtype: str = "bfloat16"  # precision of the generation (the corpus is text: its tokens, not its numerics)
     roots: list[str] = field(default_factory=list)  # folders of Python files; empty: stdlib and site-packages
+    # another build's prompts.jsonl.gz, used as the prompt list (its first `max_prompts` rows; 0: all) in
+    # place of reading this machine's files: a GPU build on the prompts of a CPU build, with its own batches
+    prompts_from: str = ""
+    max_prompts: int = 0
 
     def key(self) -> str:
-        """What fixes the prompt list and the shards: a resumed build refuses a recipe that changed it."""
-        fixed = {k: v for k, v in asdict(self).items() if k != "out"}
+        """What fixes the prompt list and the shards: a resumed build refuses a recipe that changed it. A
+        prompt file counts by its contents, not its path."""
+        fixed = {k: v for k, v in asdict(self).items() if k not in ("out", "prompts_from", "max_prompts")}
+        if self.prompts_from:  # (left out when unset, so that builds begun before these settings still resume)
+            fixed["prompts_from"] = hashlib.sha256(Path(self.prompts_from).read_bytes()).hexdigest()
+        if self.max_prompts:
+            fixed["max_prompts"] = self.max_prompts
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -239,6 +248,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def prepare(recipe: CorpusRecipe) -> list[dict]:
     """The prompt list, made once and kept in the folder with the recipe (a resume reads it back)."""
+    if recipe.max_prompts < 0:
+        raise ValueError(f"max_prompts must be 0 (all) or more, got {recipe.max_prompts}")
+    if recipe.prompts_from and not Path(recipe.prompts_from).is_file():
+        raise ValueError(f"prompts_from must name a prompts.jsonl.gz file; {recipe.prompts_from} is not one")
     out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / MANIFEST_FILE
@@ -249,7 +262,13 @@ def prepare(recipe: CorpusRecipe) -> list[dict]:
                              "use another --out, or the same settings to resume")
         with gzip.open(out / PROMPTS_FILE, "rt") as f:
             return [json.loads(line) for line in f]
-    rows = build_prompts(recipe, HumanEvalFilter(), held_out_texts())
+    if recipe.prompts_from:
+        with gzip.open(recipe.prompts_from, "rt") as f:
+            rows = [json.loads(line) for line in f]
+    else:
+        rows = build_prompts(recipe, HumanEvalFilter(), held_out_texts())
+    if recipe.max_prompts:
+        rows = rows[:recipe.max_prompts]
     _write_atomic(out / PROMPTS_FILE, gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
     _write_atomic(manifest, json.dumps({"key": recipe.key(), "recipe": asdict(recipe), "prompts": len(rows),
                                         "shards": -(-len(rows) // recipe.shard_prompts)}, indent=1).encode())
