@@ -23,13 +23,20 @@
 # 470 s; the bfloat16 and float16 runs were cut at their limits); the bitsandbytes smoke test, cut at
 # 60 s then, ran again in a 4th call (56 s; 600 s in all), which is why its limit is 90 s now.
 #
+# `train` in place of `gpu` in call 3 trains the SATs at scale (issue 24): it builds a self-distillation
+# corpus on the GPU from this machine's prompt list (prepare carries the first 40,000 prompts of
+# $SDSAT_CORPUS, default ~/.cache/sdsat/corpus), for CORPUS_S seconds in batches of 1,024, then trains
+# on it for TRAIN_S seconds with a constant learning rate, keeping the SATs of steps 25, 50, 100, ...
+# (--save-at). The last five kept come back, one file each, with the corpus summary and the training
+# record; here, `python -m sdsat.bench.drafts DIR...` measures each in decoding (docs/training.md).
+#
 # Call 3 runs the package as of the last commit (.device/c3/src, from `git archive HEAD`), not the
 # working tree, which may be mid-edit. SDSAT_DRY=1 runs the same `gpu` steps here on the CPU with
 # 2 prompts and 8 tokens, to catch errors before spending device time (SDSAT_EXTRA_PATH=/tmp/tf517
 # after `pip install --target /tmp/tf517 --no-deps transformers==5.17.0 huggingface_hub==1.33.0`
 # tries the machine's own transformers).
 set -u
-mode=${1:?usage: device_check.sh prepare|stash|gpu|cpu}
+mode=${1:?usage: device_check.sh prepare|stash|gpu|cpu|train}
 root=$(git rev-parse --show-toplevel 2>/dev/null || pwd)
 cd "$root"
 
@@ -60,6 +67,16 @@ prepare() {
     ln -sfn ../../../assets .device/c3/src/assets
     git diff --quiet HEAD -- assets || echo "warning: assets/ differs from HEAD" >&2
     git rev-parse HEAD > .device/c3/commit
+    # The prompt list of this machine's corpus build, cut to its first 40,000 prompts (about 4 MB), for train.
+    local prompts=${SDSAT_CORPUS:-$HOME/.cache/sdsat/corpus}/prompts.jsonl.gz
+    if [ -f "$prompts" ]; then
+        $py -c 'import gzip, sys
+with gzip.open(sys.argv[1], "rt") as f, gzip.open(sys.argv[2], "wt") as g:
+    for i, line in zip(range(40000), f):
+        g.write(line)' "$prompts" .device/c3/prompts.jsonl.gz
+    else
+        echo "note: no $prompts: train will have no prompts (build a corpus first)" >&2
+    fi
     # The bench imports plotly for its figures; with --no-figures an empty module does.
     : > .device/c3/stub/plotly/__init__.py && : > .device/c3/stub/plotly/graph_objects.py
     du -sb .device/c1 .device/c2 .device/c3
@@ -188,6 +205,43 @@ cpu() {  # call 3 in place of gpu: the CPU suites on the host CPU (or here with 
     done
     pack
     cat "$res"/*/results.md 2>/dev/null
+}
+
+train() {  # call 3 in place of gpu: a corpus built and the SATs trained on the GPU (or here with SDSAT_DRY=1)
+    out=${OUT:-/tmp/sdsat-dry-out}; res=/tmp/sdsat-results; rm -rf "$res"; mkdir -p "$res" "$out"
+    export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SDSAT_TRACEBACK=1
+    local c3=.device/c3 s1=/root/stash s2=/root/stash tf=/root/stash/tf work=/root/sdsat-train
+    local corpus_s=${CORPUS_S:-220} train_s=${TRAIN_S:-250} batch=1024 prompts=40000 steps=6400 bs=64 runs=64
+    local every=50 save=(25 50 100 200 400 800 1600 3200 6400)
+    if [ -n "${SDSAT_DRY:-}" ]; then  # here, on the CPU: a few prompts, a few steps
+        s1=.device/c1; s2=.device/c2; tf=; work=/tmp/sdsat-dry-train; corpus_s=240; train_s=240; batch=4
+        prompts=8; steps=6; bs=2; runs=4; every=2; save=(2 4 6)
+        export SDSAT_CACHE=${SDSAT_CACHE:-/tmp/sdsat-dry-cache}
+    else
+        export SDSAT_CACHE=/root/sdsat-cache
+    fi
+    unpack
+    rm -rf "$work"; mkdir -p "$work"
+    local recipe=(--out "$work/corpus" --prompts-from $c3/prompts.jsonl.gz --max-prompts $prompts
+                  --batch-size $batch --shard-prompts $batch)
+    echo "== corpus for $corpus_s s at $SECONDS s" | tee -a "$res/log.txt"
+    timeout -s INT -k 20 "$corpus_s" python3 -P -m sdsat.train.corpus "${recipe[@]}" >> "$res/log.txt" 2>&1
+    python3 -P -m sdsat.train.corpus "${recipe[@]}" --summary > "$res/corpus.json" 2>> "$res/log.txt"
+    cat "$res/corpus.json"
+    echo "== training for $train_s s at $SECONDS s" | tee -a "$res/log.txt"
+    timeout -s INT -k 20 "$train_s" python3 -P -m sdsat.train --corpus "$work/corpus" --out "$work/run" \
+        --batch-size $bs --runs-per-seq $runs --steps $steps --lr-schedule constant --save-at "${save[@]}" \
+        --eval-every $every --checkpoint-every $every >> "$res/log.txt" 2>&1
+    echo "== training: exit $? at $SECONDS s" | tee -a "$res/log.txt"
+    cp "$work/run/training_record.json" "$res/" 2>/dev/null
+    pack
+    local dir kept
+    kept=$(ls -d "$work"/run/sats-step* 2>/dev/null | awk -F sats-step '{print $NF, $0}' | sort -n | tail -5 | cut -d' ' -f2)
+    for dir in $kept; do  # one file each (16 MiB at most): the adapter and its record
+        tar -czf "$out/$(basename "$dir").tgz" -C "$work/run" "$(basename "$dir")"
+    done
+    ls -la "$out"
+    grep -E "held-out acceptance" "$res/log.txt" | tail -5
 }
 
 "$mode"
