@@ -107,8 +107,10 @@ def _sdsat(sat_model: SatModel, model, prompt_ids, config, stop: StopChecker, sh
             emitted, sources, probs = _emitted(proposal, verdict)
             emitted, sources, probs, done = _cut_at_stop(stop, emitted, sources, probs)
             passes = ([proposal.draft_pass_seconds] if proposal.draft_pass_seconds is not None else []) + [t1 - t0]
+            # A test at depth d decided the token d places after t: those past the stop decided nothing shown.
+            tests = [test for test in verdict.tests if test.depth <= len(emitted) - len(proposal.certain)]
             steps.append(_record(len(steps), kv_before, proposal, verdict, emitted, sources, probs, passes,
-                                 cache.get_seq_length(), t1 - clock.start))
+                                 cache.get_seq_length(), t1 - clock.start, tests))
             yield steps[-1]
             if done or should_stop():
                 break
@@ -129,7 +131,7 @@ def _emitted(proposal: Proposal, verdict: Verdict) -> tuple[list[int], list[str]
 
 
 def _record(index: int, kv_before: int, proposal: Proposal, verdict: Verdict, tokens, sources, probs,
-            pass_seconds: list[float], kv_len: int, elapsed: float) -> StepRecord:
+            pass_seconds: list[float], kv_len: int, elapsed: float, tests: list) -> StepRecord:
     shown, q = verdict.shown, proposal.q
     if q is None:  # copies
         draft_probs = [1.0] * len(shown)
@@ -143,7 +145,7 @@ def _record(index: int, kv_before: int, proposal: Proposal, verdict: Verdict, to
         accepted=verdict.accepted, tokens=tokens, sources=sources, probs=probs, pass_seconds=pass_seconds,
         kv_len=kv_len, elapsed=elapsed, draft_ranks=ranks, candidates=len(proposal.drafts),
         tree_paths=[list(path) for path in tree.paths] if tree else [], tree_tokens=verdict.node_tokens,
-        accept_tests=verdict.tests)
+        accept_tests=tests)
 
 
 def _cut_at_stop(stop: StopChecker, tokens: list[int], sources: list[str], probs: list[float]):

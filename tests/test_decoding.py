@@ -461,11 +461,13 @@ def test_sampling_verifies_the_tree_and_bad_tree_settings_are_refused(sat_model:
     config = replace(greedy("sdsat", 3, 16), tree_candidates=2,
                      sampling=SamplingConfig(do_sample=True, temperature=0.8, seed=3))
     result = collect(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
-    # Every node verified; each accept test in the record, siblings of a depth in draw order.
-    assert all(s.candidates == 5 and s.tree_paths and s.accept_tests for s in result.steps)
-    for step in result.steps:
+    # Every node verified; each accept test in the record, siblings of a depth in draw order (the last step's
+    # are cut at the stop).
+    assert all(s.candidates == 5 and s.tree_paths for s in result.steps)
+    for step in result.steps[:-1]:
         depths = [test.depth for test in step.accept_tests]
-        assert depths == sorted(depths) and sum(test.accepted for test in step.accept_tests) == step.accepted
+        assert depths and depths == sorted(depths)
+        assert sum(test.accepted for test in step.accept_tests) == step.accepted
     for bad, message in ((dict(tree_candidates=MAX_TREE_CANDIDATES + 1),
                           "tree_candidates must be between 0 \\(off\\) and"),
                          (dict(tree_candidates=-1), "tree_candidates must be between"),
@@ -473,6 +475,20 @@ def test_sampling_verifies_the_tree_and_bad_tree_settings_are_refused(sat_model:
                           "tree_candidates works with the two_step scheme only")):
         with pytest.raises(ValueError, match=message):
             collect(decode(sat_model, TOKENIZER, [4, 5, 6], replace(greedy("sdsat", 3, 16), **bad), []))
+
+
+@pytest.mark.parametrize("max_new_tokens", range(1, 9))
+def test_accept_tests_past_the_stop_are_not_recorded(sat_model: SatModel, max_new_tokens):
+    """The explorer lists what decided the tokens shown: a test that decided a token past the stop is cut."""
+    config = replace(greedy("sdsat", 3, max_new_tokens), tree_candidates=2,
+                     sampling=SamplingConfig(do_sample=True, temperature=1.5, seed=max_new_tokens))
+    result = collect(decode(sat_model, TOKENIZER, [4, 5, 6], config, []))
+    assert len(result.token_ids) == max_new_tokens
+    for step in result.steps:
+        decided = len(step.tokens) - step.sources.count("verified")  # tokens after t: drafts and the bonus
+        assert all(test.depth <= decided for test in step.accept_tests), (step.tokens, step.accept_tests)
+        if step is not result.steps[-1] and step.draft_pass:  # uncut: a test up to the bonus (none after a leaf)
+            assert max(test.depth for test in step.accept_tests) == min(decided, len(step.drafts))
 
 
 class _RandomDrafter:
