@@ -26,12 +26,18 @@ def test_the_shipped_sats_are_accepted_and_untrained_ones_are_not(default_engine
     untrained = SatAdapter.for_model(default_engine.model, config)
     untrained.save(tmp_path / "untrained")
     results = measure(default_engine, [DEFAULT_ADAPTER, tmp_path / "untrained"],
-                      {"he": humaneval_prompts("16-17")}, k=3, max_new_tokens=24)["he"]
+                      {"he": humaneval_prompts("16-17")}, k=3, max_new_tokens=24, sampled=((0.01, 1.0),))["he"]
     shipped, fresh = results["acceptance"][str(DEFAULT_ADAPTER)], results["acceptance"][str(tmp_path / "untrained")]
     assert results["passes"] > 30
     assert shipped[0] >= shipped[1] >= shipped[2] and shipped[0] > 0.4, shipped
     assert shipped[0] > fresh[0] + 0.2 and shipped[1] > fresh[1] + 0.1, (shipped, fresh)
     assert default_engine.sat_model.adapter is not None  # the engine's own SATs are still in place
+    # Near T = 0 the accept test is the greedy comparison: a draft passes when it is the model's argmax, so
+    # the sampled rates equal greedy acceptance (the same outputs, the same positions: the alignment holds).
+    cold = results["sampled 0.01,1"]
+    assert cold["passes"] == results["passes"]
+    for folder in (str(DEFAULT_ADAPTER), str(tmp_path / "untrained")):
+        assert cold["acceptance"][folder] == pytest.approx(results["acceptance"][folder], abs=0.03)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,11 +1,19 @@
-"""`python -m sdsat.bench.drafts`: how often each set of SATs would be accepted in greedy decoding.
+"""`python -m sdsat.bench.drafts`: how often each set of SATs would be accepted in decoding.
 
-For each prompt, vanilla's greedy output is decoded once; then, for each adapter, a draft pass at every
-output position over the true history (`acceptance.ranks_along`) tells whether SAT j's first choice is the
-token greedy decoding puts j places after the pass's own token. Draft j counts as accepted where it and
-every draft before it match, as greedy verification decides. This is acceptance in decoding, not on
-training text, and it compares adapters on the same outputs at a draft pass per position: what a
-learning curve needs. Speed is the benchmark's job (`python -m sdsat.bench --adapter DIR`).
+Greedy: for each prompt, vanilla's greedy output is decoded once; then, for each adapter, a draft pass at
+every output position over the true history (`acceptance.ranks_along`) tells whether SAT j's first choice
+is the token greedy decoding puts j places after the pass's own token. Draft j counts as accepted where it
+and every draft before it match, as greedy verification decides.
+
+Sampled (`--sampled T,TOP_P`): along vanilla's sampled output with those settings, SAT j's draft would pass
+its accept test with probability sum_x min(p(x), q(x)) (p: the model's distribution for that token, q:
+SAT j's, both warped), given the history up to it is the one sampled. The table gives that rate per SAT,
+and the mean over positions of its product over SATs 1..j, which is how often a chain's first j drafts
+pass where the draft pass sees that history.
+
+This is acceptance in decoding, not on training text, and it compares adapters on the same outputs at a
+draft pass per position: what a learning curve needs. Speed is the benchmark's job
+(`python -m sdsat.bench --adapter DIR`).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .acceptance import ranks_along
+from .acceptance import ranks_along, sat_logits_along
 
 
 def cumulative_acceptance(ranks: list[list[int]], k: int) -> tuple[list[float], int]:
@@ -35,35 +43,70 @@ def cumulative_acceptance(ranks: list[list[int]], k: int) -> tuple[list[float], 
     return [a / len(rows) for a in accepted], len(rows)
 
 
+def sampled_pass_rates(sat_model, chooser, prompt_ids: list[int], output_ids: list[int],
+                       k: int) -> list[list[float]]:
+    """Per output position n with all k drafts inside the output, sum_x min(p, q) for SATs 1..k (warped by
+    `chooser`): p from one pass of the model over the history, q from the draft pass at n."""
+    device = sat_model.device
+    seq = torch.tensor([prompt_ids + output_ids], device=device)
+    with torch.inference_mode():
+        p_all = chooser.probs(sat_model.model(seq).logits[0, len(prompt_ids) - 1:])  # row m: output token m
+    rates = []
+    for n, logits in enumerate(sat_logits_along(sat_model, prompt_ids, output_ids, k)):
+        if n + k >= len(output_ids):
+            break
+        q = chooser.probs(logits)
+        rates.append(torch.minimum(p_all[n + 1:n + k + 1], q).sum(-1).tolist())
+    return rates
+
+
 def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_new_tokens: int,
-            log=lambda line: None) -> dict:
-    """{suite: {"passes": n, "acceptance": {adapter: [draft 1..k]}}} over each suite's prompts, all together."""
+            sampled: tuple[tuple[float, float], ...] = (), log=lambda line: None) -> dict:
+    """{suite: {"passes": n, "acceptance": {adapter: [draft 1..k]}, "sampled T,top_p": {"passes": n,
+    "pass_rate": {adapter: [SAT 1..k]}, "acceptance": {adapter: [drafts 1..k]}}}} over each suite's prompts."""
     from ..config import DecodeConfig
     from ..decoding import collect
+    from ..sampling import SamplingConfig, TokenChooser
     from ..sat import SatAdapter, SatModel, SatSpec
 
     base = engine.sat_model
+    settings = [(f"sampled {t:g},{p:g}", SamplingConfig(do_sample=True, temperature=t, top_p=p, seed=0))
+                for t, p in sampled]
     outputs = {}
     for name, prompts in suites.items():
-        outputs[name] = []
-        for prompt in prompts:
+        outputs[name] = {"greedy": []} | {label: [] for label, _ in settings}
+        for i, prompt in enumerate(prompts):
             ids = engine.encode(prompt.text, chat=prompt.kind == "chat")
-            result = collect(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=max_new_tokens)))
-            outputs[name].append((ids, result.token_ids))
+            greedy = DecodeConfig(method="vanilla", max_new_tokens=max_new_tokens)
+            outputs[name]["greedy"].append((ids, collect(engine.stream(ids, greedy)).token_ids))
+            for label, sampling in settings:
+                config = DecodeConfig(method="vanilla", max_new_tokens=max_new_tokens,
+                                      sampling=SamplingConfig(**{**vars(sampling), "seed": i}))
+                outputs[name][label].append((ids, collect(engine.stream(ids, config)).token_ids))
         log(f"{name}: vanilla output of {len(prompts)} prompts")
-    results = {name: {"passes": 0, "acceptance": {}} for name in suites}
+    results = {name: {"passes": 0, "acceptance": {}} | {label: {"passes": 0, "pass_rate": {}, "acceptance": {}}
+                                                         for label, _ in settings} for name in suites}
     for folder in adapters:
         adapter = SatAdapter.load(folder)
         if adapter.config.num_sats < k:
             raise ValueError(f"k must be at most the adapter's {adapter.config.num_sats} SATs ({folder}); got {k}")
         sat_model = SatModel(base.model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter)
         try:
-            for name, pairs in outputs.items():
-                ranks = [row for ids, out in pairs for row in ranks_along(sat_model, ids, out, k)]
+            for name, runs in outputs.items():
+                ranks = [row for ids, out in runs["greedy"] for row in ranks_along(sat_model, ids, out, k)]
                 acceptance, passes = cumulative_acceptance(ranks, k)
                 results[name]["passes"] = passes
                 results[name]["acceptance"][str(folder)] = [round(a, 4) for a in acceptance]
                 log(f"{folder} {name}: " + " / ".join(f"{a:.2f}" for a in acceptance))
+                for label, sampling in settings:
+                    chooser = TokenChooser(sampling, sat_model.device)
+                    rates = torch.tensor([r for ids, out in runs[label]
+                                          for r in sampled_pass_rates(sat_model, chooser, ids, out, k)]).view(-1, k)
+                    entry = results[name][label]
+                    entry["passes"] = len(rates)
+                    entry["pass_rate"][str(folder)] = [round(float(a), 4) for a in rates.mean(0)]
+                    entry["acceptance"][str(folder)] = [round(float(a), 4) for a in rates.cumprod(-1).mean(0)]
+                    log(f"{folder} {name} {label}: " + " / ".join(f"{a:.2f}" for a in entry["acceptance"][str(folder)]))
         finally:
             adapter.detach()
     return results
@@ -86,6 +129,8 @@ def _main(argv: list[str] | None) -> int:
                         help="prompt files, one suite each (default: the held-out code and chat prompts)")
     parser.add_argument("--k", type=int, default=3, help="drafts per pass (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="vanilla tokens per prompt")
+    parser.add_argument("--sampled", nargs="*", default=[], metavar="T,TOP_P",
+                        help="also sampled acceptance at these settings, e.g. 0.7,0.95 1,1 (default: greedy only)")
     parser.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
     parser.add_argument("--model", default=None, metavar="ID_OR_DIR", help="base model (default: the embedded one)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
@@ -94,6 +139,16 @@ def _main(argv: list[str] | None) -> int:
     for name, value, low in (("k", args.k, 1), ("max_new_tokens", args.max_new_tokens, 2)):
         if value < low:
             raise ValueError(f"{name} must be at least {low}, got {value}")
+    sampled = []
+    for setting in args.sampled:
+        try:
+            temperature, top_p = (float(x) for x in setting.split(","))
+        except ValueError:
+            raise ValueError(f"sampled must be T,TOP_P pairs such as 0.7,0.95; got {setting!r}") from None
+        from ..sampling import SamplingConfig
+
+        SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p).validate()  # names a bad value
+        sampled.append((temperature, top_p))
     adapters = [Path(a) for a in args.adapters]
     for folder in adapters:
         if not (folder / "adapter_config.json").is_file():
@@ -108,7 +163,7 @@ def _main(argv: list[str] | None) -> int:
     suites = {f"HumanEval {args.humaneval}": humaneval_prompts(args.humaneval)} if args.humaneval else {}
     suites.update({Path(p).stem: file_prompts(p) for p in args.prompts})
     engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, measure_kernels=False))
-    results = measure(engine, adapters, suites, args.k, args.max_new_tokens,
+    results = measure(engine, adapters, suites, args.k, args.max_new_tokens, tuple(sampled),
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     command = "python -m sdsat.bench.drafts " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
@@ -121,6 +176,12 @@ def _main(argv: list[str] | None) -> int:
         for folder, acceptance in suite["acceptance"].items():
             print(f"  {folder:<{width}}  " + " / ".join(f"{a:.2f}" for a in acceptance)
                   + f"   (expected drafts {sum(acceptance):.2f})")
+        for label in (key for key in suite if key.startswith("sampled")):
+            print(f"  {label} ({suite[label]['passes']} positions): pass rate per SAT | drafts 1..{args.k} passing")
+            for folder, rate in suite[label]["pass_rate"].items():
+                chain = suite[label]["acceptance"][folder]
+                print(f"  {folder:<{width}}  " + " / ".join(f"{a:.2f}" for a in rate) + "  |  "
+                      + " / ".join(f"{a:.2f}" for a in chain) + f"   (expected drafts {sum(chain):.2f})")
     return 0
 
 
