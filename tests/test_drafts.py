@@ -32,6 +32,16 @@ def test_the_shipped_sats_are_accepted_and_untrained_ones_are_not(default_engine
     assert shipped[0] >= shipped[1] >= shipped[2] and shipped[0] > 0.4, shipped
     assert shipped[0] > fresh[0] + 0.2 and shipped[1] > fresh[1] + 0.1, (shipped, fresh)
     assert default_engine.sat_model.adapter is not None  # the engine's own SATs are still in place
+    # The one-pass draft passes agree with the decoder's own, one position at a time.
+    from sdsat.bench.acceptance import ranks_along
+    from sdsat.config import DecodeConfig
+
+    ranks = []
+    for prompt in humaneval_prompts("16-17"):
+        ids = default_engine.encode(prompt.text)
+        out = default_engine.generate(prompt.text, DecodeConfig(method="vanilla", max_new_tokens=24)).token_ids
+        ranks += ranks_along(default_engine.sat_model, ids, out, 3)
+    assert cumulative_acceptance(ranks, 3)[0] == pytest.approx(shipped, abs=0.03)
     # Near T = 0 the accept test is the greedy comparison: a draft passes when it is the model's argmax, so
     # the sampled rates equal greedy acceptance (the same outputs, the same positions: the alignment holds).
     cold = results["sampled 0.01,1"]
