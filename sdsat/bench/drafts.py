@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 
 
-
 def cumulative_acceptance(ranks: list[list[int]], k: int) -> tuple[list[float], int]:
-    """Per draft position j = 1..k, the share of draft passes whose drafts 1..j all match, over the passes
-    with all k drafts inside the output; and the number of those passes."""
+    """Per draft position j = 1..k, the share of draft passes whose drafts 1..j all match (rank 0), over the
+    passes with all k drafts inside the output; and the number of those passes."""
     rows = [row[:k] for row in ranks if len(row) >= k]
     if not rows:
         return [0.0] * k, 0
