@@ -25,10 +25,11 @@
 #
 # `train` in place of `gpu` in call 3 trains the SATs at scale (issue 24): it builds a self-distillation
 # corpus on the GPU from this machine's prompt list (prepare carries the first 40,000 prompts of
-# $SDSAT_CORPUS, default ~/.cache/sdsat/corpus), for CORPUS_S seconds in batches of 1,024, then trains
-# on it for TRAIN_S seconds with a constant learning rate, keeping the SATs of steps 25, 50, 100, ...
+# $SDSAT_CORPUS, default ~/.cache/sdsat/corpus), for CORPUS_S seconds (default 200) in batches of 1,024,
+# then trains on it for TRAIN_S seconds (default 230) with a constant learning rate, keeping the SATs of steps 25, 50, 100, ...
 # (--save-at). The last five kept come back, one file each, with the corpus summary and the training
-# record; here, `python -m sdsat.bench.drafts DIR...` measures each in decoding (docs/training.md).
+# record; here, `python -m sdsat.bench.drafts DIR...` measures each in decoding (docs/training.md). Run
+# it with timeout_s=590: with start-up, the two limits and their kill grace, it ends near 520 s.
 #
 # Call 3 runs the package as of the last commit (.device/c3/src, from `git archive HEAD`), not the
 # working tree, which may be mid-edit. SDSAT_DRY=1 runs the same `gpu` steps here on the CPU with
@@ -211,7 +212,7 @@ train() {  # call 3 in place of gpu: a corpus built and the SATs trained on the 
     out=${OUT:-/tmp/sdsat-dry-out}; res=/tmp/sdsat-results; rm -rf "$res"; mkdir -p "$res" "$out"
     export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SDSAT_TRACEBACK=1
     local c3=.device/c3 s1=/root/stash s2=/root/stash tf=/root/stash/tf work=/root/sdsat-train
-    local corpus_s=${CORPUS_S:-220} train_s=${TRAIN_S:-250} batch=1024 prompts=40000 steps=6400 bs=64 runs=64
+    local corpus_s=${CORPUS_S:-200} train_s=${TRAIN_S:-230} batch=1024 prompts=40000 steps=6400 bs=64 runs=64
     local every=50 save=(25 50 100 200 400 800 1600 3200 6400)
     if [ -n "${SDSAT_DRY:-}" ]; then  # here, on the CPU: a few prompts, a few steps
         s1=.device/c1; s2=.device/c2; tf=; work=/tmp/sdsat-dry-train; corpus_s=240; train_s=240; batch=4
@@ -228,6 +229,7 @@ train() {  # call 3 in place of gpu: a corpus built and the SATs trained on the 
     timeout -s INT -k 20 "$corpus_s" python3 -P -m sdsat.train.corpus "${recipe[@]}" >> "$res/log.txt" 2>&1
     python3 -P -m sdsat.train.corpus "${recipe[@]}" --summary > "$res/corpus.json" 2>> "$res/log.txt"
     cat "$res/corpus.json"
+    pack  # what is there so far comes back even if the call is cut
     echo "== training for $train_s s at $SECONDS s" | tee -a "$res/log.txt"
     timeout -s INT -k 20 "$train_s" python3 -P -m sdsat.train --corpus "$work/corpus" --out "$work/run" \
         --batch-size $bs --runs-per-seq $runs --steps $steps --lr-schedule constant --save-at "${save[@]}" \
@@ -236,7 +238,10 @@ train() {  # call 3 in place of gpu: a corpus built and the SATs trained on the 
     cp "$work/run/training_record.json" "$res/" 2>/dev/null
     pack
     local dir kept
-    kept=$(ls -d "$work"/run/sats-step* 2>/dev/null | awk -F sats-step '{print $NF, $0}' | sort -n | tail -5 | cut -d' ' -f2)
+    # Whole folders only (the record is written last: a save cut by the time limit has none).
+    kept=$(ls -d "$work"/run/sats-step*/ 2>/dev/null | sed 's:/$::' | while read -r d; do
+        [ -f "$d/training_record.json" ] && echo "$d"; done | awk -F sats-step '{print $NF, $0}' | sort -n | tail -5 |
+        cut -d' ' -f2)
     for dir in $kept; do  # one file each (16 MiB at most): the adapter and its record
         tar -czf "$out/$(basename "$dir").tgz" -C "$work/run" "$(basename "$dir")"
     done

@@ -94,20 +94,23 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
             for name, runs in outputs.items():
                 matches = [(student.argmax(-1) == truth).long() for ids, out in runs["greedy"] if len(out) > k
                            for _, student, truth in [along(sat_model, ids, out, k)]]
-                acceptance, passes = cumulative_acceptance(torch.cat(matches).ne(1).long().tolist(), k)
+                misses = torch.cat(matches).ne(1).long().tolist() if matches else []  # every output ended early
+                acceptance, passes = cumulative_acceptance(misses, k)
                 results[name]["passes"] = passes
                 results[name]["acceptance"][str(folder)] = [round(a, 4) for a in acceptance]
                 log(f"{folder} {name}: " + " / ".join(f"{a:.2f}" for a in acceptance))
                 for label, sampling in settings:
                     chooser = TokenChooser(sampling, sat_model.device)
                     warped = lambda logits: chooser.probs(logits.flatten(0, 1)).view(logits.shape)  # noqa: E731
-                    rates = torch.cat([torch.minimum(warped(teacher), warped(student)).sum(-1)
+                    rates = torch.cat([torch.zeros(0, k, device=sat_model.device)] +
+                                      [torch.minimum(warped(teacher), warped(student)).sum(-1)
                                        for ids, out in runs[label] if len(out) > k
                                        for teacher, student, _ in [along(sat_model, ids, out, k)]])
                     entry = results[name][label]
                     entry["passes"] = len(rates)
-                    entry["pass_rate"][str(folder)] = [round(float(a), 4) for a in rates.mean(0)]
-                    entry["acceptance"][str(folder)] = [round(float(a), 4) for a in rates.cumprod(-1).mean(0)]
+                    entry["pass_rate"][str(folder)] = [round(float(a), 4) for a in rates.mean(0).nan_to_num()]
+                    entry["acceptance"][str(folder)] = [round(float(a), 4)
+                                                        for a in rates.cumprod(-1).mean(0).nan_to_num()]
                     log(f"{folder} {name} {label}: " + " / ".join(f"{a:.2f}" for a in entry["acceptance"][str(folder)]))
         finally:
             adapter.detach()
@@ -138,9 +141,10 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
     parser.add_argument("--out", metavar="FILE", help="also write the results here as JSON")
     args = parser.parse_args(argv)
-    for name, value, low in (("k", args.k, 1), ("max_new_tokens", args.max_new_tokens, 2)):
+    for name, value, low in (("k", args.k, 1), ("max_new_tokens", args.max_new_tokens, args.k + 1)):
         if value < low:
-            raise ValueError(f"{name} must be at least {low}, got {value}")
+            raise ValueError(f"{name} must be at least {low}" + (" (more than k)" if name != "k" else "")
+                             + f", got {value}")
     sampled = []
     for setting in args.sampled:
         try:
@@ -155,6 +159,9 @@ def _main(argv: list[str] | None) -> int:
     for folder in adapters:
         if not (folder / "adapter_config.json").is_file():
             raise ValueError(f"{folder} is not a SAT adapter folder (no adapter_config.json)")
+        sats = json.loads((folder / "adapter_config.json").read_text()).get("num_sats", 0)
+        if sats < args.k:
+            raise ValueError(f"k must be at most the adapter's {sats} SATs ({folder}); got {args.k}")
 
     from ..engine import Engine
     from ..models import DEFAULT_MODEL, LoadConfig

@@ -73,7 +73,7 @@ class CorpusRecipe:
         prompt file counts by its contents, not its path."""
         fixed = {k: v for k, v in asdict(self).items() if k not in ("out", "prompts_from", "max_prompts")}
         if self.prompts_from:  # (left out when unset, so that builds begun before these settings still resume)
-            fixed["prompts_from"] = hashlib.sha256(Path(self.prompts_from).read_bytes()).hexdigest()
+            fixed["prompts_from"] = hashlib.sha256(gzip.decompress(Path(self.prompts_from).read_bytes())).hexdigest()
         if self.max_prompts:
             fixed["max_prompts"] = self.max_prompts
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]

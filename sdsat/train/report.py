@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
-
-def record_figure(record: dict, smooth: int = 9) -> go.Figure:
+def record_figure(record: dict, smooth: int = 9):
     """Two panels: loss of SAT j against step (moving average over `smooth` steps), and the held-out
-    teacher-forced acceptance of draft position j at each evaluation, per data source."""
+    teacher-forced acceptance of draft position j at each evaluation, per data source (a plotly figure;
+    imported here, so that training runs where plotly is missing, as on a lent GPU machine)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
     fig = make_subplots(rows=1, cols=2, subplot_titles=("SAT loss per offset (moving average)",
                                                         "held-out acceptance per draft position"))
     steps = record["steps"]

@@ -370,7 +370,12 @@ def save_trained(sat_model: SatModel, folder: Path, record: dict) -> None:
         model.save_pretrained(folder)
         SatSpec(kind="vocab", sat_ids=sat_model.spec.sat_ids, max_k=sat_model.max_k).save(folder)
     (folder / "training_record.json").write_text(json.dumps(record) + "\n")
-    record_figure(record).write_html(folder / "training_record.html", include_plotlyjs="cdn")
+    try:
+        figure = record_figure(record)
+    except ImportError:  # no plotly (a lent GPU machine): the record's JSON is all there is
+        log.warning("plotly is missing: %s has no training_record.html", folder)
+        return
+    figure.write_html(folder / "training_record.html", include_plotlyjs="cdn")
 
 
 def export(source: Path, target: Path) -> None:

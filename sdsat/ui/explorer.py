@@ -132,7 +132,8 @@ def _draft_rows(v: _View) -> list[tuple[str, list[str]]]:
         rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
         rows.append(("Step 1 · predicted", _pad(out1, k + 2)))
         if step.tree_paths:
-            rows.append(("Draft tree · every candidate verified", _tree_cells(step, word, k, _rank_name(v))))
+            cells = _tree_cells(step, word, k, _rank_name(v), sampled=not v.record.greedy)
+            rows.append(("Draft tree · every candidate verified", cells))
     if v.copied:
         rows.append(("Prompt lookup copied", _pad(['<span class="muted">—</span>'] + [
             _chip(word(tok, ""), "copy", f"l{j}: the token that followed this text where it occurred before")
@@ -243,7 +244,7 @@ def _rank_name(v: _View):
     return choice_name if v.record.greedy else draw_name
 
 
-def _tree_cells(step: StepRecord, word, k: int, name=choice_name) -> list[str]:
+def _tree_cells(step: StepRecord, word, k: int, name=choice_name, sampled: bool = False) -> list[str]:
     """One cell per depth: the draft tree's candidates there, marked accepted, turned down or not reached
     (sampled: not tried, when a sibling drawn before it was accepted)."""
     walked = step.draft_ranks[:step.accepted]
@@ -254,7 +255,7 @@ def _tree_cells(step: StepRecord, word, k: int, name=choice_name) -> list[str]:
         compared = path[:-1] == walked[:depth - 1] and depth - 1 <= len(walked)  # its parent was accepted
         if path == walked[:depth] and depth <= len(walked):
             cls, mark = "draft", "✓"
-        elif compared and (not step.accept_tests or (depth, path[-1]) in rejected):
+        elif compared and (not sampled or (depth, path[-1]) in rejected):
             cls, mark = "tree-no", "✗"  # greedy: the model compared it; sampled: its accept test failed
         else:
             cls, mark = "tree-skip", "·"  # below a candidate turned down, or not tried
