@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,13 +27,14 @@ SAMPLED = ((0.7, 0.95), (1.0, 1.0))  # (temperature, top_p) of the sampled accep
 MIN_TRIES = 20  # a pass rate from fewer tries is too thin to plan with
 
 
-def sat_logits_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> Iterator[torch.Tensor]:
-    """Per output position n, the (depth, V) logits of SATs 1..depth at the draft pass fed the token before
-    position n, over the true history: SAT d's row drafts output token n + d."""
+def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> list[list[int]]:
+    """Per output position n, the ranks of output tokens n + 1 .. n + depth among SATs 1..depth at the draft
+    pass fed the token before position n (positions past the output are left out of the row)."""
     device = sat_model.device
     cache = DynamicCache(config=sat_model.model.config)
     seq = prompt_ids + output_ids
     slots = torch.cat([torch.tensor([-1]), torch.arange(depth)])[None].to(device)
+    ranks = []
     with torch.inference_mode():
         if len(prompt_ids) > 1:
             sat_model.forward(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, logits_to_keep=1)
@@ -43,21 +43,13 @@ def sat_logits_along(sat_model, prompt_ids: list[int], output_ids: list[int], de
             ids = torch.tensor([[t] + [0] * depth], device=device)
             logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=depth + 1)[0, 1:]
             cache.crop(-depth)  # the SATs leave the cache, t stays
-            yield logits
-
-
-def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> list[list[int]]:
-    """Per output position n, the ranks of output tokens n + 1 .. n + depth among SATs 1..depth at the draft
-    pass fed the token before position n (positions past the output are left out of the row)."""
-    ranks = []
-    for n, logits in enumerate(sat_logits_along(sat_model, prompt_ids, output_ids, depth)):
-        row = []
-        for d in range(1, depth + 1):
-            if n + d >= len(output_ids):
-                break
-            true = output_ids[n + d]
-            row.append(min(int((logits[d - 1] > logits[d - 1, true]).sum()), MISSED))
-        ranks.append(row)
+            row = []
+            for d in range(1, depth + 1):
+                if n + d >= len(output_ids):
+                    break
+                true = output_ids[n + d]
+                row.append(min(int((logits[d - 1] > logits[d - 1, true]).sum()), MISSED))
+            ranks.append(row)
     return ranks
 
 
