@@ -293,7 +293,9 @@ def test_browser_default_race_leads_with_auto_and_yields_code(server, browser, t
         page.wait_for_function(f"document.querySelector('#tree input[type=number]').value === '{tree}'",
                                timeout=30_000)
         _run_race(page)  # the default prompt and settings, as a visitor first sees them
-        assert "predicted" in page.locator(".headline .card.accent").inner_text()
+        # The speed-up card, highlighted or not: whether SDSAT won this race depends on the machine's load.
+        speedup = page.locator(".headline .card").filter(has=page.locator(".label", has_text="speed-up"))
+        assert "predicted" in speedup.inner_text()
         text = page.locator("#sdsat-out .sdsat-out").inner_text()
         assert "return" in text and "\n    " in text, text  # an indented function body
         assert not text.lstrip().startswith("```"), text
