@@ -219,6 +219,8 @@ def test_eval_windows_cover_short_sequences_too():
     (["--dtype", "float16"], "dtype must be one of bfloat16, float32; got 'float16'"),
     (["--steps", "10", "--save-at", "5", "11"], "save_at must be a list of steps from 1 to steps = 10, got [5, 11]"),
     (["--seq-len", "4"], "seq_len must be at least num_sats + 3 = 8, got 4"),
+    (["--corpus-modes", "t2"], "corpus_modes must be a non-empty list of greedy, t0.7, t1.0; got ['t2']"),
+    (["--init-from", "nowhere"], "init_from must be a folder holding a trained adapter (adapter_config.json)"),
 ])
 def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, args, message):
     from sdsat.train.__main__ import main
@@ -351,3 +353,55 @@ def test_training_runs_where_plotly_is_missing(tmp_path, real_tokenizer, monkeyp
     train(config, model=make_tiny_llama(vocab_size=VOCAB), tokenizer=real_tokenizer, **data)
     assert (tmp_path / "run" / "sats" / "training_record.json").is_file()
     assert not (tmp_path / "run" / "sats" / "training_record.html").exists()
+
+
+# -- starting from a trained adapter, and choosing the corpus's decodings (issue 24) -------------------------
+def tiny_adapter_config(out, **changes) -> TrainConfig:
+    return TrainConfig(**{**dict(mode="adapter", model="tiny", out=str(out), num_sats=2, rank=4, alpha=8.0,
+                                 target_modules=["q_proj", "v_proj"], inject_layer=1, sat_token="<file_sep>",
+                                 steps=30, batch_size=4, seq_len=16, runs_per_seq=3, lr=1e-2, warmup=1,
+                                 weights={"counting": 1.0}, held_out=2, eval_every=30, checkpoint_every=30),
+                          **changes})
+
+
+def test_a_run_started_from_a_trained_adapter_starts_where_that_one_ended(tmp_path, real_tokenizer):
+    """--init-from: the new run's adapter holds the trained weights before its first step (and train() keeps
+    them: one step at a vanishing learning rate saves them back); an adapter of another shape is refused by name."""
+    torch.manual_seed(0)
+    model = make_tiny_llama(vocab_size=VOCAB)
+    data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
+    train(tiny_adapter_config(tmp_path / "first", steps=4), model=model, tokenizer=real_tokenizer, **data)
+    trained = SatAdapter.load(tmp_path / "first" / "sats").state_dict()
+
+    warm_config = tiny_adapter_config(tmp_path / "warm", steps=1, lr=1e-9, init_from=str(tmp_path / "first" / "sats"))
+    sat_model, _ = prepare(warm_config, model, real_tokenizer)
+    sat_model.adapter.detach()
+    held = sat_model.adapter.state_dict()
+    assert all(torch.equal(held[name].float(), tensor) for name, tensor in trained.items())
+    for folder, config in (("warm", warm_config), ("fresh", tiny_adapter_config(tmp_path / "fresh", steps=1, lr=1e-9))):
+        train(config, model=model, tokenizer=real_tokenizer, **data)
+        saved = SatAdapter.load(tmp_path / folder / "sats").state_dict()
+        close = all(torch.allclose(saved[name], tensor, atol=1e-6) for name, tensor in trained.items())
+        assert close == (folder == "warm"), folder
+
+    with pytest.raises(ValueError, match="its rank is 4, this run's is 2; train with --rank to match"):
+        prepare(tiny_adapter_config(tmp_path / "other", rank=2, init_from=str(tmp_path / "first" / "sats")),
+                model, real_tokenizer)
+
+
+def test_corpus_modes_choose_which_decodings_are_trained_on(tmp_path, real_tokenizer):
+    import gzip
+    import json
+
+    from sdsat.train.trainer import build_corpus
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    rows = [{"chat": chat, "mode": mode, "prompt_tokens": 1, "ids": [i, i + 1]}
+            for i, (chat, mode) in enumerate((c, m) for c in (False, True) for m in ("greedy", "t0.7", "t1.0"))]
+    (folder / "shard-00000.json.gz").write_bytes(gzip.compress(json.dumps({"shard": 0, "sequences": rows}).encode()))
+    for modes, code, chat in ((["greedy"], [[0, 1]], [[3, 4]]),
+                              (["t0.7", "t1.0"], [[1, 2], [2, 3]], [[4, 5], [5, 6]])):
+        config = TrainConfig(out=str(tmp_path / "run"), corpus=str(folder), corpus_modes=modes, code_files=0)
+        sources = build_corpus(config, None, real_tokenizer).sources
+        assert (sources["code_completions"], sources["chat_completions"]) == (code, chat)

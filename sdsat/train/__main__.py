@@ -51,6 +51,9 @@ _HELP = {
     "distill_batch": "completions generated at once while building the corpus",
     "corpus": "a corpus folder built by python -m sdsat.train.corpus (its completions replace the built-in ones; "
               "read afresh at each start, so a growing corpus is used as it stands)",
+    "corpus_modes": "which decodings of --corpus to train on (greedy text teaches greedy drafts best)",
+    "init_from": "adapter: start from this trained adapter's weights, e.g. the shipped one (a fresh optimizer "
+                 "and schedule; the shapes must match)",
     "weights": "sampling weight per source, as JSON",
     "held_out": "sequences per source kept out of training for evaluation",
     "eval_every": "steps between held-out acceptance evaluations",
@@ -68,9 +71,10 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "weights":
             parser.add_argument(flag, type=json.loads, default=default, metavar="JSON", help=_HELP.get(f.name))
-        elif f.name in ("target_modules", "layers", "save_at"):
-            parser.add_argument(flag, nargs="+", type=str if f.name == "target_modules" else int, default=default,
-                                metavar="NAME" if f.name == "target_modules" else "N", help=_HELP.get(f.name))
+        elif f.name in ("target_modules", "corpus_modes", "layers", "save_at"):
+            named = f.name in ("target_modules", "corpus_modes")
+            parser.add_argument(flag, nargs="+", type=str if named else int, default=default,
+                                metavar="NAME" if named else "N", help=_HELP.get(f.name))
         else:
             kind = {int: int, float: float, str: str}.get(hints[f.name], str)
             parser.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=_HELP.get(f.name))

@@ -34,11 +34,12 @@ from ..sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
 from .data import (Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts,
                    self_distill, stdlib_files)
 from ..layout import SatLayout
-from .corpus import load_shards
+from .corpus import MODES, load_shards
 from .examples import sample_layout
 from .report import record_figure
 
 log = logging.getLogger(__name__)
+CORPUS_MODES = tuple(name for name, _, _ in MODES)  # greedy, t0.7, t1.0
 
 
 @dataclass
@@ -77,6 +78,8 @@ class TrainConfig:
     distill_tokens: int = 192  # new tokens per self-distilled completion
     distill_batch: int = 48  # completions generated at once
     corpus: str = ""  # a folder of `python -m sdsat.train.corpus`: its completions replace the built-in ones
+    corpus_modes: list[str] = field(default_factory=lambda: list(CORPUS_MODES))  # which of its decodings to use
+    init_from: str = ""  # adapter: start from this trained adapter's weights (fresh optimizer and schedule)
     weights: dict[str, float] = field(default_factory=lambda: {"code": 0.1, "code_completions": 0.45,
                                                                "chat_completions": 0.45})
     held_out: int = 8  # sequences per source kept for evaluation
@@ -110,6 +113,14 @@ class TrainConfig:
         if not isinstance(self.save_at, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= self.steps for i in self.save_at):
             raise ValueError(f"save_at must be a list of steps from 1 to steps = {self.steps}, got {self.save_at!r}")
+        if (not isinstance(self.corpus_modes, list) or not self.corpus_modes
+                or not set(self.corpus_modes) <= set(CORPUS_MODES)):
+            raise ValueError(f"corpus_modes must be a non-empty list of {', '.join(CORPUS_MODES)}; "
+                             f"got {self.corpus_modes!r}")
+        if not isinstance(self.init_from, str) or (self.init_from and (
+                self.mode != "adapter" or not (Path(self.init_from) / "adapter_config.json").is_file())):
+            raise ValueError("init_from must be a folder holding a trained adapter (adapter_config.json), for mode "
+                             f"adapter only; got {self.init_from!r}")
         if self.layers is not None and (not isinstance(self.layers, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
             raise ValueError(f"layers must be a list of decoder layer numbers (0 or more), got {self.layers!r}")
@@ -149,7 +160,7 @@ def build_corpus(config: TrainConfig, model, tokenizer) -> Corpus:
             raise ValueError(f"corpus {config.corpus!r} has no shards yet: build some with "
                              "python -m sdsat.train.corpus")
         for name, chat in (("code_completions", False), ("chat_completions", True)):
-            sources[name] = [seq["ids"] for seq in built if seq["chat"] == chat]
+            sources[name] = [seq["ids"] for seq in built if seq["chat"] == chat and seq["mode"] in config.corpus_modes]
         return Corpus(sources)
     prompts = function_prompts(docs, keep, config.code_prompts, rng)
     sources["code_completions"] = self_distill(model, tokenizer, prompts, False, config.distill_tokens,
@@ -247,6 +258,8 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
                                        inject_layer=config.inject_layer)
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
+        if config.init_from:
+            warm_start(adapter, Path(config.init_from))
         sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
         params = [{"params": [adapter.embeddings],
                    "lr_scale": config.embedding_lr_scale if config.inject_layer > 0 else 1.0},
@@ -265,6 +278,24 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
         sat_model = SatModel(model, SatSpec(kind="vocab", sat_ids=[init_id], max_k=config.num_sats))
         params = [{"params": [p for p in model.parameters() if p.requires_grad], "lr_scale": 1.0}]
     return sat_model, params
+
+
+def warm_start(adapter: SatAdapter, folder: Path) -> None:
+    """Copy a trained adapter's weights into `adapter`, which must have its shape (a checkpoint resumed later
+    overrides them, as it should)."""
+    trained = SatAdapter.load(folder)
+    for name in ("hidden_size", "num_layers", "num_sats", "rank", "alpha", "target_modules", "layers",
+                 "inject_layer"):
+        mine, theirs = getattr(adapter.config, name), getattr(trained.config, name)
+        if mine != theirs:
+            raise ValueError(f"init_from {folder}: its {name} is {theirs!r}, this run's is {mine!r}; "
+                             f"train with --{name.replace('_', '-')} to match")
+    with torch.no_grad():
+        adapter.embeddings.copy_(trained.embeddings)
+        adapter.base_embedding.copy_(trained.base_embedding)
+        for key in adapter.lora_a:
+            adapter.lora_a[key].copy_(trained.lora_a[key])
+            adapter.lora_b[key].copy_(trained.lora_b[key])
 
 
 def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None = None, progress: bool = True) -> dict:
