@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import make_tiny_llama
@@ -284,6 +286,7 @@ def test_export_replaces_the_target_whole_or_not_at_all(tmp_path, monkeypatch, c
     for name, text in (("adapter_config.json", "new config"), ("adapter_model.safetensors", "new weights"),
                        ("sat_spec.json", "{}")):
         (sats / name).write_text(text)
+    (sats / "adapter_model.safetensors").chmod(0o600)  # as safetensors writes it
     target = tmp_path / "exported"
     target.mkdir()
     (target / "adapter_config.json").write_text("old config")
@@ -311,6 +314,11 @@ def test_export_replaces_the_target_whole_or_not_at_all(tmp_path, monkeypatch, c
     assert {p.name: p.read_text() for p in target.iterdir()} == {p.name: p.read_text() for p in sats.iterdir()} | {
         "tuning.json": "notes"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
+    # Readable by whoever serves it, as a folder made with the umask would be (not mkdtemp's owner-only mode).
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (target.stat().st_mode & 0o777, (target / "adapter_model.safetensors").stat().st_mode & 0o777) == (
+        0o777 & ~umask, 0o666 & ~umask)
 
 
 @pytest.mark.parametrize("schedule, equal", [("constant", True), ("cosine", False)])

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import tempfile
@@ -423,6 +424,7 @@ def export(source: Path, target: Path) -> None:
         kept = [path for path in target.iterdir() if path.name not in ours] if target.is_dir() else []
         for path in [*kept, *source.iterdir()]:
             (shutil.copytree if path.is_dir() else shutil.copy2)(path, building / path.name)
+        _readable(building)  # mkdtemp (and safetensors) make owner-only files; a served adapter is shared
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             target.rename(old / target.name)
@@ -432,6 +434,15 @@ def export(source: Path, target: Path) -> None:
             building.rename(target)
     finally:
         shutil.rmtree(building, ignore_errors=True)  # gone already unless something failed
+
+
+def _readable(folder: Path) -> None:
+    """Give `folder` and what it holds the modes a new folder and file would get (the umask's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _eval_windows(held_out: Corpus, n: int, separator: int, max_windows: int = 16) -> dict[str, torch.Tensor]:
