@@ -367,7 +367,9 @@ def test_multi_draft_sampling_on_the_real_models_distributions_gives_p(default_e
             counts[int(draws[0, taken]) if taken is not None else token] += 1
             later += taken is not None and taken > 0
             rejected += taken is None
-    assert later > SAMPLES // 10 and rejected > SAMPLES // 20  # later siblings and residual draws both happened
+    # Later siblings and residual draws both happened, often enough for the fit to see them (a better adapter's
+    # first sibling passes more often: the stage-2 adapter leaves about 115 later-sibling tokens in 3,600)
+    assert later > SAMPLES // 20 and rejected > SAMPLES // 20
     assert set(counts) <= set(p.nonzero().flatten().tolist())
     marginal = np.zeros(p.shape[-1])
     marginal[p.nonzero().flatten().numpy()] = p[p > 0].double().numpy()

@@ -32,22 +32,30 @@ FASTEST = "speed-up vs fastest vanilla (median)"  # suites that ran vanilla in e
 
 # folder (relative to assets/bench) -> (file-name prefix, title); the current suites first
 OLDER = " (older: float32 vanilla, before auto)"
-SUITES = {"trees-humaneval-0-15": ("auto-humaneval-0-15", "HumanEval 0–15, auto against the fastest vanilla"),
+STAGE1 = " (the stage-1 adapter)"
+SUITES = {"stage2-humaneval-16-35": ("stage2-humaneval-16-35",
+                                     "HumanEval 16–35 (held out), auto against the fastest vanilla"),
+          "stage2-heldout-code": ("stage2-heldout-code",
+                                  "Held-out code prompts, auto against the fastest vanilla"),
+          "trees-humaneval-0-15": ("auto-humaneval-0-15",
+                                   "HumanEval 0–15, auto against the fastest vanilla" + STAGE1),
           "final-humaneval-16-35": ("auto-humaneval-16-35",
-                                    "HumanEval 16–35 (held out), auto against the fastest vanilla"),
-          "gpu-h200-float32": ("gpu-h200-float32", "HumanEval 0–7 on an NVIDIA H200 GPU, float32"),
+                                    "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE1),
+          "gpu-h200-float32": ("gpu-h200-float32", "HumanEval 0–7 on an NVIDIA H200 GPU, float32" + STAGE1),
           "sampling-fastest-humaneval-16-25-t07": ("sampling-fastest-humaneval-16-25-t07",
                                                    "Sampling at T=0.7, top-p 0.95: HumanEval 16–25, auto against "
-                                                   "the fastest vanilla"),
+                                                   "the fastest vanilla" + STAGE1),
           "sampling-fastest-heldout-code-t07": ("sampling-fastest-heldout-code-t07",
                                                 "Sampling at T=0.7, top-p 0.95: held-out code prompts, auto against "
-                                                "the fastest vanilla"),
+                                                "the fastest vanilla" + STAGE1),
           "sampling-humaneval-16-35-t07": ("sampling-humaneval-16-35-t07",
-                                           "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, chain and draft trees"),
-          "sampling-chat-t07": ("sampling-chat-t07", "Sampling at T=0.7, top-p 0.95: held-out chat prompts"),
-          "sampling-humaneval-16-35-t1": ("sampling-humaneval-16-35-t1", "Sampling at T=1: HumanEval 16–35"),
+                                           "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, chain and draft trees"
+                                           + STAGE1),
+          "sampling-chat-t07": ("sampling-chat-t07", "Sampling at T=0.7, top-p 0.95: held-out chat prompts" + STAGE1),
+          "sampling-humaneval-16-35-t1": ("sampling-humaneval-16-35-t1", "Sampling at T=1: HumanEval 16–35" + STAGE1),
           "sampling-humaneval-16-35-t1-auto": ("sampling-humaneval-16-35-t1-auto",
-                                               "Sampling at T=1: HumanEval 16–35, auto after the re-measured trace"),
+                                               "Sampling at T=1: HumanEval 16–35, auto after the re-measured trace"
+                                               + STAGE1),
           "humaneval-164": ("humaneval-164", "HumanEval, all 164 problems" + OLDER),
           "": ("humaneval-16", "HumanEval problems 0–15, every method" + OLDER),
           "humaneval-256": ("humaneval-16-256tok", "HumanEval problems 0–15, 256 new tokens" + OLDER),
