@@ -224,7 +224,7 @@ train() {  # call 3 in place of gpu: a corpus built and the SATs trained on the 
     unpack
     rm -rf "$work"; mkdir -p "$work"
     local recipe=(--out "$work/corpus" --prompts-from $c3/prompts.jsonl.gz --max-prompts $prompts
-                  --batch-size $batch --shard-prompts $batch)
+                  --batch-size $batch --shard-prompts $batch --modes greedy)  # greedy text teaches the SATs most
     echo "== corpus for $corpus_s s at $SECONDS s" | tee -a "$res/log.txt"
     timeout -s INT -k 20 "$corpus_s" python3 -P -m sdsat.train.corpus "${recipe[@]}" >> "$res/log.txt" 2>&1
     python3 -P -m sdsat.train.corpus "${recipe[@]}" --summary > "$res/corpus.json" 2>> "$res/log.txt"

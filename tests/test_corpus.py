@@ -151,3 +151,19 @@ def test_a_build_can_take_another_builds_prompts_with_its_own_batches(recipe, ti
     assert other.key() != key  # the prompt file counts by its contents
     # Builds begun before these settings existed resume: the default recipe's key is the one they stored.
     assert corpus.CorpusRecipe(out="a").key() == corpus.CorpusRecipe(out="b", max_prompts=0).key() == "795b86f603290788"
+
+
+def test_a_build_can_keep_to_greedy_text(recipe, tiny, real_tokenizer, tmp_path, capsys):
+    """--modes greedy: every batch greedy (the default takes the decodings in turn); its own key, while the
+    default key stays the one earlier builds stored; an unknown mode is one line naming the allowed ones."""
+    greedy = corpus.CorpusRecipe(**{**vars(recipe), "out": str(tmp_path / "greedy"), "modes": ["greedy"]})
+    corpus.build(greedy, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    corpus.build(recipe, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    assert {s["mode"] for s in _shard(corpus.shard_path(tmp_path / "greedy", 0))} == {"greedy"}
+    assert len({s["mode"] for s in _shard(corpus.shard_path(tmp_path / "corpus", 0))}) > 1
+    assert greedy.key() != recipe.key() and corpus.CorpusRecipe(modes=[]).key() == "795b86f603290788"
+    capsys.readouterr()
+    assert corpus.main(["--out", str(tmp_path / "bad"), "--modes", "t2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "modes must be names among greedy, t0.7, t1.0; got ['t2']" in err, err
+    assert not (tmp_path / "bad").exists()

@@ -11,7 +11,8 @@ Prompts (all offline, from what the machine holds):
   * chat: instructions from templates, and instructions made from those docstrings ("Write a Python
     function `name(args)` that ..."), answered through the model's chat template;
   * the page's own example prompts.
-Each batch is decoded greedily or sampled at one of the temperatures the page offers (`MODES`).
+Each batch is decoded greedily or sampled at one of the temperatures the page offers (`MODES`), in turn;
+`--modes greedy` keeps a build to greedy text, which teaches the SATs most per token.
 HumanEval never enters: a prompt or completion that overlaps it is dropped (`HumanEvalFilter`: its entry
 points, its distinctive lines). Nor does any prompt of the benchmark's prompt files (`held_out_texts`:
 the prompts themselves, as written).
@@ -67,11 +68,24 @@ class CorpusRecipe:
     # place of reading this machine's files: a GPU build on the prompts of a CPU build, with its own batches
     prompts_from: str = ""
     max_prompts: int = 0
+    # the decodings that batches take in turn (names of MODES); empty: all of them. Greedy text teaches the
+    # SATs best (docs/training.md), so a build for training alone may keep to it
+    modes: list[str] = field(default_factory=list)
+
+    def decodings(self) -> tuple[tuple[str, float, float], ...]:
+        """The MODES batches take in turn; ValueError naming an unknown one."""
+        names = [name for name, _, _ in MODES]
+        unknown = [m for m in self.modes if m not in names]
+        if unknown:
+            raise ValueError(f"modes must be names among {', '.join(names)}; got {unknown}")
+        return tuple(m for m in MODES if not self.modes or m[0] in self.modes)
 
     def key(self) -> str:
         """What fixes the prompt list and the shards: a resumed build refuses a recipe that changed it. A
         prompt file counts by its contents, not its path."""
-        fixed = {k: v for k, v in asdict(self).items() if k not in ("out", "prompts_from", "max_prompts")}
+        fixed = {k: v for k, v in asdict(self).items() if k not in ("out", "prompts_from", "max_prompts", "modes")}
+        if self.modes:
+            fixed["modes"] = sorted(self.modes)
         if self.prompts_from:  # (left out when unset, so that builds begun before these settings still resume)
             fixed["prompts_from"] = hashlib.sha256(gzip.decompress(Path(self.prompts_from).read_bytes())).hexdigest()
         if self.max_prompts:
@@ -225,7 +239,8 @@ def build_shard(model, tokenizer, recipe: CorpusRecipe, index: int, rows: list[d
     sequences = []
     for b, start in enumerate(range(0, len(order), recipe.batch_size)):
         batch = order[start:start + recipe.batch_size]
-        mode = MODES[(index + b) % len(MODES)]
+        decodings = recipe.decodings()
+        mode = decodings[(index + b) % len(decodings)]
         seed = int(hashlib.sha256(f"{recipe.seed}/{index}/{b}".encode()).hexdigest()[:8], 16)
         completions = generate_batch(model, tokenizer, [encoded[i] for i in batch], mode, recipe.max_new_tokens,
                                      eos_ids, seed)
@@ -248,6 +263,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def prepare(recipe: CorpusRecipe) -> list[dict]:
     """The prompt list, made once and kept in the folder with the recipe (a resume reads it back)."""
+    recipe.decodings()  # an unknown mode: refused before anything is written
     if recipe.max_prompts < 0:
         raise ValueError(f"max_prompts must be 0 (all) or more, got {recipe.max_prompts}")
     if recipe.prompts_from and not Path(recipe.prompts_from).is_file():
@@ -337,7 +353,7 @@ def _main(argv: list[str] | None) -> int:
     for name, value in asdict(defaults).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, list):
-            parser.add_argument(flag, nargs="*", default=value, metavar="DIR")
+            parser.add_argument(flag, nargs="*", default=value, metavar="MODE" if name == "modes" else "DIR")
         else:
             parser.add_argument(flag, type=type(value), default=value)
     parser.add_argument("--shards", type=int, default=None, help="build only the first N shards (default: all)")
