@@ -161,7 +161,9 @@ def test_a_build_can_keep_to_greedy_text(recipe, tiny, real_tokenizer, tmp_path,
     corpus.build(recipe, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
     assert {s["mode"] for s in _shard(corpus.shard_path(tmp_path / "greedy", 0))} == {"greedy"}
     assert len({s["mode"] for s in _shard(corpus.shard_path(tmp_path / "corpus", 0))}) > 1
-    assert greedy.key() != recipe.key() and corpus.CorpusRecipe(modes=[]).key() == "795b86f603290788"
+    assert greedy.key() != recipe.key()
+    for every in ([], ["t1.0", "greedy", "t0.7", "greedy"]):  # all of them, however named, is the default
+        assert corpus.CorpusRecipe(modes=every).key() == "795b86f603290788"
     capsys.readouterr()
     assert corpus.main(["--out", str(tmp_path / "bad"), "--modes", "t2"]) == 2
     err = capsys.readouterr().err

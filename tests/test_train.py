@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -222,6 +223,7 @@ def test_eval_windows_cover_short_sequences_too():
     (["--steps", "10", "--save-at", "5", "11"], "save_at must be a list of steps from 1 to steps = 10, got [5, 11]"),
     (["--seq-len", "4"], "seq_len must be at least num_sats + 3 = 8, got 4"),
     (["--corpus-modes", "t2"], "corpus_modes must be a non-empty list of greedy, t0.7, t1.0; got ['t2']"),
+    (["--corpus-modes", "greedy"], "corpus_modes picks decodings of --corpus; name a corpus folder"),
     (["--init-from", "nowhere"], "init_from must be a folder holding a trained adapter (adapter_config.json)"),
 ])
 def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, args, message):
@@ -315,10 +317,13 @@ def test_export_replaces_the_target_whole_or_not_at_all(tmp_path, monkeypatch, c
         "tuning.json": "notes"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]
     # Readable by whoever serves it, as a folder made with the umask would be (not mkdtemp's owner-only mode).
-    umask = os.umask(0)
-    os.umask(umask)
+    old_umask = os.umask(0o022)
+    try:
+        assert cli.main(["--out", str(tmp_path / "run"), "--export", str(target)]) == 0
+    finally:
+        os.umask(old_umask)
     assert (target.stat().st_mode & 0o777, (target / "adapter_model.safetensors").stat().st_mode & 0o777) == (
-        0o777 & ~umask, 0o666 & ~umask)
+        0o755, 0o644)
 
 
 @pytest.mark.parametrize("schedule, equal", [("constant", True), ("cosine", False)])
@@ -382,10 +387,12 @@ def test_a_run_started_from_a_trained_adapter_starts_where_that_one_ended(tmp_pa
     trained = SatAdapter.load(tmp_path / "first" / "sats").state_dict()
 
     warm_config = tiny_adapter_config(tmp_path / "warm", steps=1, lr=1e-9, init_from=str(tmp_path / "first" / "sats"))
-    sat_model, _ = prepare(warm_config, model, real_tokenizer)
-    sat_model.adapter.detach()
-    held = sat_model.adapter.state_dict()
-    assert all(torch.equal(held[name].float(), tensor) for name, tensor in trained.items())
+    for base in (model, copy.deepcopy(model).to(torch.bfloat16)):  # a bfloat16 base must not round them
+        sat_model, _ = prepare(warm_config, base, real_tokenizer)
+        sat_model.adapter.detach()
+        held = sat_model.adapter.state_dict()
+        assert all(held[name].dtype == torch.float32 and torch.equal(held[name], tensor)
+                   for name, tensor in trained.items())
     for folder, config in (("warm", warm_config), ("fresh", tiny_adapter_config(tmp_path / "fresh", steps=1, lr=1e-9))):
         train(config, model=model, tokenizer=real_tokenizer, **data)
         saved = SatAdapter.load(tmp_path / folder / "sats").state_dict()
@@ -395,6 +402,13 @@ def test_a_run_started_from_a_trained_adapter_starts_where_that_one_ended(tmp_pa
     with pytest.raises(ValueError, match="its rank is 4, this run's is 2; train with --rank to match"):
         prepare(tiny_adapter_config(tmp_path / "other", rank=2, init_from=str(tmp_path / "first" / "sats")),
                 model, real_tokenizer)
+    # The same modules in another order fit; a run folder that started elsewhere is not continued.
+    shuffled = tiny_adapter_config(tmp_path / "order", target_modules=["v_proj", "q_proj"],
+                                   init_from=str(tmp_path / "first" / "sats"))
+    prepare(shuffled, model, real_tokenizer)[0].adapter.detach()
+    with pytest.raises(ValueError, match="holds a run with init_from ''; this one has .*use another --out"):
+        train(tiny_adapter_config(tmp_path / "first", steps=5, init_from=str(tmp_path / "first" / "sats")),
+              model=model, tokenizer=real_tokenizer, **data)
 
 
 def test_corpus_modes_choose_which_decodings_are_trained_on(tmp_path, real_tokenizer):

@@ -84,8 +84,9 @@ class CorpusRecipe:
         """What fixes the prompt list and the shards: a resumed build refuses a recipe that changed it. A
         prompt file counts by its contents, not its path."""
         fixed = {k: v for k, v in asdict(self).items() if k not in ("out", "prompts_from", "max_prompts", "modes")}
-        if self.modes:
-            fixed["modes"] = sorted(self.modes)
+        modes = sorted(set(self.modes))
+        if modes and modes != sorted(name for name, _, _ in MODES):  # all of them is the default
+            fixed["modes"] = modes
         if self.prompts_from:  # (left out when unset, so that builds begun before these settings still resume)
             fixed["prompts_from"] = hashlib.sha256(gzip.decompress(Path(self.prompts_from).read_bytes())).hexdigest()
         if self.max_prompts:

@@ -118,6 +118,8 @@ class TrainConfig:
                 or not set(self.corpus_modes) <= set(CORPUS_MODES)):
             raise ValueError(f"corpus_modes must be a non-empty list of {', '.join(CORPUS_MODES)}; "
                              f"got {self.corpus_modes!r}")
+        if not self.corpus and sorted(self.corpus_modes) != sorted(CORPUS_MODES):
+            raise ValueError("corpus_modes picks decodings of --corpus; name a corpus folder, or leave it out")
         if not isinstance(self.init_from, str) or (self.init_from and (
                 self.mode != "adapter" or not (Path(self.init_from) / "adapter_config.json").is_file())):
             raise ValueError("init_from must be a folder holding a trained adapter (adapter_config.json), for mode "
@@ -259,9 +261,9 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
                                        inject_layer=config.inject_layer)
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
-        if config.init_from:
-            warm_start(adapter, Path(config.init_from))
         sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
+        if config.init_from:  # after attach(), which casts to the model's dtype: load at full precision
+            warm_start(adapter.float(), Path(config.init_from))
         params = [{"params": [adapter.embeddings],
                    "lr_scale": config.embedding_lr_scale if config.inject_layer > 0 else 1.0},
                   {"params": list(adapter.lora_a.values()) + list(adapter.lora_b.values()), "lr_scale": 1.0}]
@@ -285,12 +287,21 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
     """Copy a trained adapter's weights into `adapter`, which must have its shape (a checkpoint resumed later
     overrides them, as it should)."""
     trained = SatAdapter.load(folder)
-    for name in ("hidden_size", "num_layers", "num_sats", "rank", "alpha", "target_modules", "layers",
-                 "inject_layer"):
+    for name in ("hidden_size", "num_layers"):
+        if getattr(adapter.config, name) != getattr(trained.config, name):
+            raise ValueError(f"init_from {folder}: it was trained for base model {trained.config.base_model!r} "
+                             f"({name} {getattr(trained.config, name)}), not this one; pass that --model")
+    for name in ("num_sats", "rank", "alpha", "target_modules", "layers", "inject_layer"):
         mine, theirs = getattr(adapter.config, name), getattr(trained.config, name)
-        if mine != theirs:
+        if (sorted(mine) != sorted(theirs)) if name == "target_modules" else mine != theirs:
             raise ValueError(f"init_from {folder}: its {name} is {theirs!r}, this run's is {mine!r}; "
                              f"train with --{name.replace('_', '-')} to match")
+    ours, theirs = adapter.state_dict(), trained.state_dict()
+    for name, tensor in ours.items():
+        if name not in theirs or theirs[name].shape != tensor.shape:
+            have = tuple(theirs[name].shape) if name in theirs else "missing"
+            raise ValueError(f"init_from {folder}: its {name} does not fit this model ({have}, need "
+                             f"{tuple(tensor.shape)})")
     with torch.no_grad():
         adapter.embeddings.copy_(trained.embeddings)
         adapter.base_embedding.copy_(trained.base_embedding)
@@ -436,10 +447,22 @@ def export(source: Path, target: Path) -> None:
         shutil.rmtree(building, ignore_errors=True)  # gone already unless something failed
 
 
-def _readable(folder: Path) -> None:
-    """Give `folder` and what it holds the modes a new folder and file would get (the umask's)."""
+def current_umask() -> int:
+    """The process's umask, read without setting it where Linux says it (setting it races other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
     umask = os.umask(0)
     os.umask(umask)
+    return umask
+
+
+def _readable(folder: Path) -> None:
+    """Give `folder` and what it holds the modes a new folder and file would get (the umask's)."""
+    umask = current_umask()
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
@@ -505,6 +528,12 @@ def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts
         raise ValueError(f"checkpoint {path} cannot be resumed ({type(err).__name__}: "
                          f"{' '.join(str(err).split())[:200]}); move it away to start the run over") from None
     current = record["config"]
+    for name, default in (("init_from", ""), ("corpus_modes", list(CORPUS_MODES))):
+        before = previous["config"].get(name, default)
+        if sorted(before) != sorted(current[name]) if name == "corpus_modes" else before != current[name]:
+            # another start, or other text (whose held-out split differs): not a continuation of this run
+            raise ValueError(f"{out} holds a run with {name} {before!r}; this one has {current[name]!r}: "
+                             "use another --out")
     record.update(previous)
     if record["config"] != current:  # resumed with other settings (say, more steps): keep both on record
         record.setdefault("resumes", []).append({"step": step, "previous_config": record["config"]})
