@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 # (name, temperature, top_p): temperature 0 is greedy. The page's sampling defaults and the benchmark's.
 MODES = (("greedy", 0.0, 1.0), ("t0.7", 0.7, 0.95), ("t1.0", 1.0, 1.0))
+MODE_NAMES = tuple(name for name, _, _ in MODES)
 PROMPTS_FILE, MANIFEST_FILE = "prompts.jsonl.gz", "corpus.json"
 HELD_OUT_PROMPTS = ASSETS / "prompts"  # every *.jsonl here is a benchmark suite: none of it is trained on
 
@@ -74,10 +75,9 @@ class CorpusRecipe:
 
     def decodings(self) -> tuple[tuple[str, float, float], ...]:
         """The MODES batches take in turn; ValueError naming an unknown one."""
-        names = [name for name, _, _ in MODES]
-        unknown = [m for m in self.modes if m not in names]
+        unknown = [m for m in self.modes if m not in MODE_NAMES]
         if unknown:
-            raise ValueError(f"modes must be names among {', '.join(names)}; got {unknown}")
+            raise ValueError(f"modes must be names among {', '.join(MODE_NAMES)}; got {unknown}")
         return tuple(m for m in MODES if not self.modes or m[0] in self.modes)
 
     def key(self) -> str:
@@ -85,7 +85,7 @@ class CorpusRecipe:
         prompt file counts by its contents, not its path."""
         fixed = {k: v for k, v in asdict(self).items() if k not in ("out", "prompts_from", "max_prompts", "modes")}
         modes = sorted(set(self.modes))
-        if modes and modes != sorted(name for name, _, _ in MODES):  # all of them is the default
+        if modes and modes != sorted(MODE_NAMES):  # all of them is the default
             fixed["modes"] = modes
         if self.prompts_from:  # (left out when unset, so that builds begun before these settings still resume)
             fixed["prompts_from"] = hashlib.sha256(gzip.decompress(Path(self.prompts_from).read_bytes())).hexdigest()
@@ -237,10 +237,9 @@ def build_shard(model, tokenizer, recipe: CorpusRecipe, index: int, rows: list[d
     encoded = [encode_prompt(tokenizer, r["text"], chat=r["chat"]) for r in rows]
     order = sorted((i for i, e in enumerate(encoded) if len(e) <= recipe.max_prompt_tokens),
                    key=lambda i: (rows[i]["chat"], len(encoded[i]), i))  # similar lengths: little padding
-    sequences = []
+    sequences, decodings = [], recipe.decodings()
     for b, start in enumerate(range(0, len(order), recipe.batch_size)):
         batch = order[start:start + recipe.batch_size]
-        decodings = recipe.decodings()
         mode = decodings[(index + b) % len(decodings)]
         seed = int(hashlib.sha256(f"{recipe.seed}/{index}/{b}".encode()).hexdigest()[:8], 16)
         completions = generate_batch(model, tokenizer, [encoded[i] for i in batch], mode, recipe.max_new_tokens,

@@ -35,12 +35,11 @@ from ..sat import SPEC_FILE, AdapterConfig, SatAdapter, SatModel, SatSpec
 from .data import (Corpus, HumanEvalFilter, WindowSampler, chat_instructions, code_documents, function_prompts,
                    self_distill, stdlib_files)
 from ..layout import SatLayout
-from .corpus import MODES, load_shards
+from .corpus import MODE_NAMES as CORPUS_MODES, load_shards
 from .examples import sample_layout
 from .report import record_figure
 
 log = logging.getLogger(__name__)
-CORPUS_MODES = tuple(name for name, _, _ in MODES)  # greedy, t0.7, t1.0
 
 
 @dataclass
@@ -302,12 +301,7 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
             have = tuple(theirs[name].shape) if name in theirs else "missing"
             raise ValueError(f"init_from {folder}: its {name} does not fit this model ({have}, need "
                              f"{tuple(tensor.shape)})")
-    with torch.no_grad():
-        adapter.embeddings.copy_(trained.embeddings)
-        adapter.base_embedding.copy_(trained.base_embedding)
-        for key in adapter.lora_a:
-            adapter.lora_a[key].copy_(trained.lora_a[key])
-            adapter.lora_b[key].copy_(trained.lora_b[key])
+    adapter.load_state_dict(theirs)  # same names and shapes, checked above
 
 
 def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None = None, progress: bool = True) -> dict:
