@@ -38,6 +38,13 @@ def save_tiny_checkpoint(folder: Path) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """The tiny checkpoints' tuning goes to a folder of the test's own, not the user's cache (it would grow by
+    two entries a run, keyed by the temporary folder)."""
+    monkeypatch.setenv("SDSAT_CACHE", str(tmp_path / "sdsat"))
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return save_tiny_checkpoint(tmp_path_factory.mktemp("hub") / "CodeLlama-SDSAT_L5_7B")
