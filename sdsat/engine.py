@@ -137,7 +137,7 @@ class Engine:
         if tuning is not None:
             sampling = config.sampling
             plan = tuning.plan if not sampling.do_sample else tuning.plan_for(
-                SCHEMES, greedy=False, temperature=sampling.temperature, top_p=sampling.top_p)
+                SCHEMES, greedy=False, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if plan is None:
             settings = dict(FALLBACK, scheme="two_step",
                             tree_candidates=0 if config.sampling.do_sample else FALLBACK["tree_candidates"])

@@ -14,6 +14,7 @@ a given curve and trace.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turn
 FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
 LOOKUP_NGRAM = 2
 MARGIN = 0.03  # predicted speed-ups this close count as a tie (see `choose`)
+VOCABULARY = 1 << 16  # how many tokens "no top-k" counts as when sampling settings are compared
 MISSED = 9  # a rank of this or above: the true token was not among the SAT's top choices kept
 
 
@@ -63,6 +65,7 @@ class SampledAcceptance:
     tries: list[list[float]]  # tries[d - 1][i]: the chance that the sibling tried (i + 1)-th at depth d passes,
     # given that it was tried (the earlier ones at that node having failed)
     copies: list[float]  # copies[j - 1]: the chance that copy j passes, given that copies 1..j - 1 did
+    top_k: int = 0  # 0: no top-k
 
     def rate(self, depth: int, attempt: int) -> float:
         """tries[depth - 1][attempt], 0 where nothing was measured."""
@@ -90,7 +93,7 @@ class SampledAcceptance:
         return total
 
     def to_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p,
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "tries": [[round(r, 4) for r in row] for row in self.tries],
                 "copies": [round(c, 4) for c in self.copies]}
 
@@ -115,15 +118,21 @@ class Trace:
         data = json.loads(Path(path).read_text())
         prompts = [PromptTrace(p["prompt_ids"], p["output_ids"], [[int(c) for c in row] for row in p["ranks"]])
                    for p in data["prompts"]]
-        sampled = [SampledAcceptance(float(s["temperature"]), float(s["top_p"]), s["tries"], s["copies"])
-                   for s in data.get("sampled", [])]
+        sampled = [SampledAcceptance(float(s["temperature"]), float(s["top_p"]), s["tries"], s["copies"],
+                                     int(s.get("top_k", 0))) for s in data.get("sampled", [])]
         return cls(prompts, int(data["depth"]), data.get("source", ""), sampled)
 
-    def sampled_at(self, temperature: float, top_p: float = 1.0) -> SampledAcceptance | None:
-        """The measured sampling setting nearest to (temperature, top_p), or None when none was measured."""
+    def sampled_at(self, temperature: float, top_p: float = 1.0, top_k: int = 0) -> SampledAcceptance | None:
+        """The measured sampling setting nearest to (temperature, top_p, top_k), compared in that order (top-k
+        by the log of the tokens it keeps, off counting as a whole vocabulary), or None when none was measured."""
         if not self.sampled:
             return None
-        return min(self.sampled, key=lambda s: (abs(s.temperature - temperature), abs(s.top_p - top_p)))
+
+        def kept(k: int) -> float:
+            return math.log(k if k > 0 else VOCABULARY)
+
+        return min(self.sampled, key=lambda s: (round(abs(s.temperature - temperature), 6),
+                                                round(abs(s.top_p - top_p), 6), abs(kept(s.top_k) - kept(top_k))))
 
 
 @dataclass(frozen=True)
@@ -306,16 +315,16 @@ def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: floa
 def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = True,
            usable: set[str] | None = None, schemes: tuple[str, ...] = SCHEMES,
            baseline: tuple[str, float] | None = None, names: dict[str, str] | None = None,
-           temperature: float = 1.0, top_p: float = 1.0) -> Plan:
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Plan:
     """The setting and precision with the best predicted speed-up over the fastest vanilla decoding.
 
     `usable`: the precisions SDSAT may decode in (tuning.py's rule); `baseline`: the fastest vanilla
     decoding as (name, seconds per token), by default the fastest one-token pass among `curves`, usable
     or not; `names`: how the reason names each precision (e.g. with its kernel form). Sampling (`greedy`
-    False) at `temperature` and `top_p` replays at the trace's nearest measured sampled acceptance, trees
+    False) at `temperature`, `top_p` and `top_k` replays at the trace's nearest measured sampled acceptance, trees
     included; a trace without one replays greedily, without trees.
     """
-    sampled = None if greedy else trace.sampled_at(temperature, top_p)
+    sampled = None if greedy else trace.sampled_at(temperature, top_p, top_k)
     names = names or {}
     if baseline is None:
         fastest = min(curves, key=lambda c: c.one_token_s)
@@ -343,7 +352,8 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
             + (f", draft tree +{s.tree_candidates}" if s.tree_candidates else ""))
     where = names.get(dtype, dtype)
     if sampled is not None:
-        what += f", sampling at T={sampled.temperature:g}" + (f" top-p {sampled.top_p:g}" if sampled.top_p < 1 else "")
+        what += (f", sampling at T={sampled.temperature:g}" + (f" top-p {sampled.top_p:g}" if sampled.top_p < 1 else "")
+                 + (f" top-k {sampled.top_k}" if sampled.top_k else ""))
     if best.speedup > 1:
         reason = (f"{what} in {where}: predicted {best.speedup:.2f}× the fastest vanilla ({baseline_text}), "
                   f"{best.tokens_per_pass:.2f} tokens per pass")

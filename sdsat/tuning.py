@@ -69,19 +69,20 @@ class Tuning:
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # plan_for's other plans
 
     def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True, temperature: float = 1.0,
-                 top_p: float = 1.0) -> Plan | None:
+                 top_p: float = 1.0, top_k: int = 0) -> Plan | None:
         """The plan among `schemes` only (the page has no fused control), in the precision the model is in;
-        for sampling (`greedy` False) at `temperature` and `top_p`, priced at the trace's sampled acceptance."""
+        for sampling (`greedy` False) at `temperature`, `top_p` and `top_k`, priced at the trace's nearest
+        measured sampled acceptance."""
         if self.plan is None or self.trace is None:
             return None
         if greedy and self.plan.settings.scheme in schemes:
             return self.plan
-        sampled = None if greedy else self.trace.sampled_at(temperature, top_p)
-        key = (schemes, greedy, sampled and (sampled.temperature, sampled.top_p))
+        sampled = None if greedy else self.trace.sampled_at(temperature, top_p, top_k)
+        key = (schemes, greedy, sampled and (sampled.temperature, sampled.top_p, sampled.top_k))
         if key not in self._plans:  # a replay of every setting: worth keeping per request kind
             self._plans[key] = choose(list(self.curves.values()), self.trace, self.max_k, greedy,
                                       usable={self.plan.dtype}, schemes=schemes, baseline=self.baseline,
-                                      names=self.names, temperature=temperature, top_p=top_p)
+                                      names=self.names, temperature=temperature, top_p=top_p, top_k=top_k)
         return self._plans[key]
 
     @property

@@ -5,13 +5,16 @@ wide and deep where passes are flat, small where they are steep, and scored agai
 vanilla decoding whatever its precision.
 """
 
+import json
 import random
 
 import pytest
 
+from sdsat.bench.acceptance import SAMPLED
 from sdsat.costs import CostCurve
 from sdsat.planner import MISSED, PromptTrace, SampledAcceptance, Settings, Trace, choose, predict, replay
 from sdsat.tree import MAX_EXTRA, DraftTree
+from sdsat.ui.presets import PAGE_SAMPLING
 
 
 def curve(cost, dtype="float32", one=0.04, sat_overhead=1.1) -> CostCurve:
@@ -165,8 +168,8 @@ def test_sampling_without_a_sampled_acceptance_plans_no_tree():
     assert plan.settings.tree_candidates == 0
 
 
-def sampled(tries, copies=(0.5,) * 10, temperature=1.0, top_p=1.0) -> SampledAcceptance:
-    return SampledAcceptance(temperature, top_p, [list(row) for row in tries], list(copies))
+def sampled(tries, copies=(0.5,) * 10, temperature=1.0, top_p=1.0, top_k=0) -> SampledAcceptance:
+    return SampledAcceptance(temperature, top_p, [list(row) for row in tries], list(copies), top_k)
 
 
 def test_expected_drafts_of_a_sampled_tree_follow_the_try_order():
@@ -192,10 +195,42 @@ def test_sampling_plans_a_tree_where_later_siblings_pass_and_not_where_they_fail
 
 def test_sampled_acceptance_round_trips_through_the_trace_file(tmp_path):
     trace = synthetic_trace(prompts=2, length=20)
-    trace.sampled = [sampled([[0.5, 0.25]], copies=[0.75], temperature=0.7, top_p=0.95)]
+    trace.sampled = [sampled([[0.5, 0.25]], copies=[0.75], temperature=0.7, top_p=0.95),
+                     sampled([[0.6, 0.3]], copies=[0.8], temperature=0.8, top_p=0.95, top_k=50)]
     trace.save(tmp_path / "acceptance.json")
     again = Trace.load(tmp_path / "acceptance.json")
-    assert again.sampled == trace.sampled and again.sampled_at(0.8, 0.9) == trace.sampled[0]
+    assert again.sampled == trace.sampled and again.sampled_at(0.7, 0.9) == trace.sampled[0]
+    assert again.sampled_at(0.8, 0.95, 40) == trace.sampled[1]
+
+
+def test_the_nearest_sampled_setting_weighs_temperature_then_top_p_then_top_k():
+    trace = synthetic_trace(prompts=1, length=10)
+    plain, top_k, hot = (sampled([[0.5]], temperature=0.8, top_p=0.95), sampled([[0.6]], temperature=0.8, top_p=0.95,
+                                                                                  top_k=50), sampled([[0.3]]))
+    trace.sampled = [plain, top_k, hot]
+    assert trace.sampled_at(0.8, 0.95, 50) is top_k and trace.sampled_at(0.8, 0.95, 200) is top_k
+    assert trace.sampled_at(0.8, 0.95) is plain and trace.sampled_at(0.8, 0.95, 5000) is plain
+    assert trace.sampled_at(1.0, 1.0, 50) is hot  # the temperature decides first
+    # the plan names the setting it was priced at
+    plan = choose([curve(FLAT)], trace, max_k=4, greedy=False, temperature=0.8, top_p=0.95, top_k=40)
+    assert "T=0.8 top-p 0.95 top-k 50" in plan.reason
+
+
+def test_the_trace_measures_the_pages_own_sampling_defaults():
+    """auto's sampled plan on the page is priced at exactly the setting the race opens with."""
+    assert tuple(PAGE_SAMPLING[name] for name in ("temperature", "top_p", "top_k")) in SAMPLED
+
+
+def test_a_trace_file_without_top_k_loads_as_sampled_without_it(tmp_path):
+    """Traces measured before top-k was recorded (their settings had none) still load."""
+    trace = synthetic_trace(prompts=1, length=10)
+    trace.sampled = [sampled([[0.5]], temperature=0.7, top_p=0.95)]
+    trace.save(tmp_path / "acceptance.json")
+    data = json.loads((tmp_path / "acceptance.json").read_text())
+    for setting in data["sampled"]:
+        del setting["top_k"]
+    (tmp_path / "acceptance.json").write_text(json.dumps(data))
+    assert Trace.load(tmp_path / "acceptance.json").sampled == trace.sampled
 
 
 def test_trace_round_trips_through_its_file(tmp_path):

@@ -27,6 +27,7 @@ DEFAULTS = dict(limit=None, max_new_tokens=256, k=None, sample_k=4, temperatures
 
 def _add_method_options(parser: argparse.ArgumentParser) -> None:
     """What races, and each method's settings."""
+    from ..sampling import MAX_TOP_K
     from .methods import METHODS
 
     what = parser.add_argument_group("methods")
@@ -48,6 +49,8 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
                       help="temperatures of vanilla_sample and sdsat_sample (default 0.2 1.0; 1.0 with --quick)")
     what.add_argument("--top-p", type=float, default=1.0, metavar="P",
                       help="nucleus for sampling: probability mass kept, in (0, 1] (default 1: off)")
+    what.add_argument("--top-k", type=int, default=0, metavar="N",
+                      help=f"sampling keeps the N likeliest tokens, 0..{MAX_TOP_K} (default 0: off)")
     what.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed base (default 0)")
     what.add_argument("--lookup-tokens", type=int, default=10, metavar="N",
                       help="tokens copied per lookup: prompt_lookup_num_tokens and the lookup recipes' (default 10)")
@@ -198,6 +201,12 @@ def _prepare(args) -> _Bench:
     from .prompts import PromptFileError, file_prompts, humaneval_prompts
     from .runner import BenchConfig, encode_prompts, fitting_prompts
 
+    from ..sampling import SamplingConfig
+
+    try:  # the sampling config's own range checks name the setting
+        SamplingConfig(do_sample=True, top_p=args.top_p, top_k=args.top_k).validate()
+    except ValueError as err:
+        raise _Refused(err) from None
     try:
         prompts = (file_prompts(args.prompts, args.subset, args.limit) if args.prompts
                    else humaneval_prompts(args.subset, args.limit))
@@ -214,11 +223,12 @@ def _prepare(args) -> _Bench:
     # The auto recipe's plan; tuning may move the model to the precision it chose, before anything is timed.
     wants_auto = AUTO in args.schemes and any(m.startswith("sdsat") for m in args.methods)
     # A kept measurement taken under load is measured again: a benchmark's plan is never a busy spell's.
-    auto = (auto_choices(engine.tune(remeasure="noisy"), engine.max_k, args.temperatures, args.top_p)
+    auto = (auto_choices(engine.tune(remeasure="noisy"), engine.max_k, args.temperatures, args.top_p,
+                         args.top_k)
             if wants_auto else None)
     k_list = args.k if args.k else list(range(1, engine.max_k + 1))
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),
-                         temperatures=args.temperatures, top_p=args.top_p, seed=args.seed,
+                         temperatures=args.temperatures, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup_tokens=args.warmup_tokens,
                          lookup_tokens=args.lookup_tokens, lookup_ngram=args.lookup_ngram,
                          tree_candidates=args.tree_candidates)
@@ -308,6 +318,7 @@ def _meta(args, argv, bench: _Bench) -> dict:
         "tuning": engine.tuning.to_dict() if engine.tuning is not None else None,
         "settings": {"methods": config.methods, "k": config.k_list, "schemes": args.schemes,
                      "sample_k": config.sample_k, "temperatures": config.temperatures, "top_p": config.top_p,
+                     "top_k": config.top_k,
                      "seed": config.seed, "max_new_tokens": config.max_new_tokens, "repeats": config.repeats,
                      "warmup_tokens": config.warmup_tokens, "lookup_tokens": config.lookup_tokens,
                      "lookup_ngram": config.lookup_ngram, "tree_candidates": config.tree_candidates,

@@ -2,7 +2,8 @@
 
 For each prompt: vanilla's greedy output, then, at every output position, one draft pass [t, SAT×K]
 over the true history, recording where each true next token ranks among the SAT's choices
-(planner.py). Then, per sampling setting (T = 0.7 with top-p 0.95, and T = 1), sampled decodes of the
+(planner.py). Then, per sampling setting (T = 0.7 with top-p 0.95, T = 1, and the page's T = 0.8 with
+top-p 0.95 and top-k 50), sampled decodes of the
 same prompts with the largest draft tree and prompt lookup: how often the i-th sibling tried at each
 depth passes its accept test, and how often each copy does (`SampledAcceptance`), which the planner
 prices sampled settings with. The trace depends on the model and its SATs, not on the machine, so it
@@ -23,7 +24,9 @@ from transformers import DynamicCache
 from ..planner import LOOKUP_TOKENS, MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Trace
 from ..tree import MAX_EXTRA
 
-SAMPLED = ((0.7, 0.95), (1.0, 1.0))  # (temperature, top_p) of the sampled acceptance measured
+# (temperature, top_p, top_k) of the sampled acceptance measured: the benchmark's two settings, and the page's
+# race defaults (ui.presets.PAGE_SAMPLING), whose top-k the others lack
+SAMPLED = ((0.7, 0.95, 0), (1.0, 1.0, 0), (0.8, 0.95, 50))
 MIN_TRIES = 20  # a pass rate from fewer tries is too thin to plan with
 
 
@@ -53,7 +56,8 @@ def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: 
     return ranks
 
 
-def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_new_tokens: int) -> SampledAcceptance:
+def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_new_tokens: int,
+                       top_k: int = 0) -> SampledAcceptance:
     """Pass rates of sampled accept tests over seeded decodes of `prompts` with k = the SATs' depth, every
     runner-up of the draft tree and prompt lookup: per depth and try, and per copy. A sibling the tree had but
     q could not supply (top-k / top-p left fewer tokens) counts as a failed try, as the planner's replay
@@ -65,7 +69,8 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_ne
     for seed, prompt in enumerate(prompts):
         config = DecodeConfig(method="sdsat", k=engine.max_k, max_new_tokens=max_new_tokens,
                               tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS,
-                              sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p, seed=seed))
+                              sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p,
+                                                      top_k=top_k, seed=seed))
         for step in engine.generate(prompt.text, config).steps:
             if step.draft_source == "lookup":
                 for test in step.accept_tests:
@@ -92,7 +97,7 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_ne
     rows = [[rate(("sat", d, i)) for i in range(1 + max(a for _, dd, a in sats if dd == d))]
             for d in range(1, depth + 1)]
     longest = max((key[1] for key in tried if key[0] == "copy"), default=0)
-    return SampledAcceptance(temperature, top_p, rows, [rate(("copy", j)) for j in range(1, longest + 1)])
+    return SampledAcceptance(temperature, top_p, rows, [rate(("copy", j)) for j in range(1, longest + 1)], top_k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{prompt.name}: {len(result.token_ids)} tokens", file=sys.stderr)
         trace = Trace(traces, depth, source)
     trace.sampled = []
-    for temperature, top_p in SAMPLED:
-        trace.sampled.append(sampled_acceptance(engine, prompts, temperature, top_p, args.max_new_tokens))
-        print(f"sampled T={temperature:g} top-p {top_p:g}: {trace.sampled[-1].to_dict()}", file=sys.stderr)
+    for temperature, top_p, top_k in SAMPLED:
+        trace.sampled.append(sampled_acceptance(engine, prompts, temperature, top_p, args.max_new_tokens, top_k))
+        print(f"sampled T={temperature:g} top-p {top_p:g} top-k {top_k}: {trace.sampled[-1].to_dict()}",
+              file=sys.stderr)
     trace.save(out)
     print(f"wrote {out}")
     return 0

@@ -70,7 +70,7 @@ class AutoChoice:
 
 
 def auto_choices(tuning: Tuning, max_k: int, temperatures: tuple[float, ...] = (), top_p: float = 1.0,
-                 ) -> tuple[AutoChoice, dict[float, AutoChoice]]:
+                 top_k: int = 0) -> tuple[AutoChoice, dict[float, AutoChoice]]:
     """The auto recipe's choices from a tuning: its greedy plan, and per sampling temperature the plan for
     sampling at it (`plan_for(greedy=False)`); without a plan (no acceptance trace) the default settings
     and the note."""
@@ -80,7 +80,8 @@ def auto_choices(tuning: Tuning, max_k: int, temperatures: tuple[float, ...] = (
         return AutoChoice(settings, {"settings": asdict(settings), "plan": plan.to_dict() if plan is not None else None,
                                      "note": tuning.note})
 
-    sampled = {t: choice(tuning.plan_for(SCHEMES, greedy=False, temperature=t, top_p=top_p)) for t in temperatures}
+    sampled = {t: choice(tuning.plan_for(SCHEMES, greedy=False, temperature=t, top_p=top_p, top_k=top_k))
+               for t in temperatures}
     return choice(tuning.plan_for(SCHEMES, greedy=True)), sampled
 
 
@@ -252,14 +253,15 @@ def count_forward_passes(model: torch.nn.Module) -> Iterator[list[int]]:
 
 
 def measure(engine: Engine, variant: Variant, prompt_ids: list[int], max_new_tokens: int,
-            seed: int | None = None, top_p: float = 1.0, lookup_ngram: int = 2, lookup_tokens: int = 10,
+            seed: int | None = None, top_p: float = 1.0, top_k: int = 0, lookup_ngram: int = 2, lookup_tokens: int = 10,
             tree_candidates: int = 2, prompt_index: int = -1, repeat: int = 0) -> Measurement:
     """Generate once with `variant` and return the timed record."""
     if variant.method in ("generate", "prompt_lookup"):
         return _measure_generate(engine, variant, prompt_ids, max_new_tokens, lookup_ngram, prompt_index, repeat)
     sampling = SamplingConfig()
     if not variant.greedy:
-        sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, seed=seed)
+        sampling = SamplingConfig(do_sample=True, temperature=variant.temperature, top_p=top_p, top_k=top_k,
+                                  seed=seed)
     if variant.auto is not None:  # the plan's own scheme, copies and runner-ups
         planned = variant.auto.settings
         scheme, lookup, tree = planned.scheme, True, True

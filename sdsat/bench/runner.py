@@ -35,6 +35,7 @@ class BenchConfig:
     sample_k: int = 4  # sdsat_sample's k (capped at the SATs' max_k)
     temperatures: list[float] = field(default_factory=lambda: [0.2, 1.0])  # the paper's sampling temperatures
     top_p: float = 1.0  # nucleus for the sampling methods (1: off)
+    top_k: int = 0  # the sampling methods keep this many likeliest tokens (0: off)
     seed: int = 0  # sampling seed of prompt i, repeat r: seed + 1000 * i + r (same for both samplers)
     max_new_tokens: int = 256  # per generation; EOS may end it sooner
     repeats: int = 1  # timed runs of each variant on each prompt
@@ -96,7 +97,7 @@ def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], conf
         return
     for variant in variants:
         measure(engine_for(variant, engine, baselines), variant, prompt_ids, config.warmup_tokens, seed=config.seed,
-                top_p=config.top_p, lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
+                top_p=config.top_p, top_k=config.top_k, lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
                 tree_candidates=config.tree_candidates)
         yield variant
 
@@ -111,7 +112,7 @@ def measure_all(engine: Engine, variants: list[Variant], prompt_ids: list[list[i
         for repeat in range(config.repeats):
             for variant in order:
                 yield measure(engine_for(variant, engine, baselines), variant, ids, config.max_new_tokens,
-                              seed=config.seed_for(index, repeat), top_p=config.top_p, lookup_ngram=config.lookup_ngram,
+                              seed=config.seed_for(index, repeat), top_p=config.top_p, top_k=config.top_k, lookup_ngram=config.lookup_ngram,
                               lookup_tokens=config.lookup_tokens, tree_candidates=config.tree_candidates,
                               prompt_index=index, repeat=repeat)
 

@@ -83,14 +83,15 @@ def measuring_line(progress: TuneProgress, chosen: dict) -> str:
 
 
 def auto_line(tuning: Tuning | None, chosen: dict, greedy: bool = True, measuring: TuneProgress | None = None,
-              temperature: float = PAGE_SAMPLING["temperature"], top_p: float = PAGE_SAMPLING["top_p"]) -> str:
+              temperature: float = PAGE_SAMPLING["temperature"], top_p: float = PAGE_SAMPLING["top_p"],
+              top_k: int = PAGE_SAMPLING["top_k"]) -> str:
     """One line on what auto chose here and why (the plan's reason, or why there is no plan); for sampling, the
-    plan at `temperature` and `top_p` (the page's defaults unless given, as `auto_settings`)."""
+    plan at `temperature`, `top_p` and `top_k` (the page's defaults unless given, as `auto_settings`)."""
     if measuring is not None and tuning is None:
         return measuring_line(measuring, chosen)
     if tuning is None:
         return not_measured(chosen)
-    plan = tuning.plan_for(("two_step",), greedy, temperature, top_p)
+    plan = tuning.plan_for(("two_step",), greedy, temperature, top_p, top_k)
     if plan is None:
         return f"auto: {tuning.note}: {fallback_text(chosen)}"
     return f"auto on this machine: {plan.reason}"
@@ -171,14 +172,15 @@ def race_costs(engine: Engine, config: DecodeConfig, sdsat: GenerationResult, ac
     settings = Settings(config.scheme, config.k, config.lookup_tokens, config.tree_candidates)
     sampling, predicted = config.sampling, None
     if tuning.trace is not None and tuning.trace.prompts:
-        sampled = tuning.trace.sampled_at(sampling.temperature, sampling.top_p) if sampling.do_sample else None
+        sampled = tuning.trace.sampled_at(sampling.temperature, sampling.top_p, sampling.top_k) if sampling.do_sample else None
         predicted = predict(tuning.trace, settings, curve, curve.one_token_s, sampled).speedup
     seconds = priced_seconds(sdsat.steps, curve, config.k)
     implied = len(sdsat.token_ids) * curve.one_token_s / seconds if sdsat.token_ids and seconds > 0 else None
     fastest, fastest_s = tuning.baseline
     estimated = fastest_s < curve.one_token_s
     vs_fastest = achieved * fastest_s / curve.one_token_s if estimated else achieved
-    plan = tuning.plan_for(("two_step",), not sampling.do_sample, sampling.temperature, sampling.top_p)
+    plan = tuning.plan_for(("two_step",), not sampling.do_sample, sampling.temperature, sampling.top_p,
+                           sampling.top_k)
     auto = {"plan": plan.to_dict() if plan else None, "note": tuning.note,
             "used": plan is not None and asdict(plan.settings) == asdict(settings)}
     decoding = tuning.names.get(dtype, dtype)
