@@ -461,7 +461,7 @@ def _values(settings: Settings) -> tuple:
 def test_auto_is_the_default_scheme_and_takes_the_machines_plan(page, tuned_engine):
     measured = tuned_engine.tuning
     greedy = measured.plan_for(("two_step",))
-    sampled = measured.plan_for(("two_step",), False, PAGE_SAMPLING["temperature"], PAGE_SAMPLING["top_p"])
+    sampled = measured.plan_for(("two_step",), False, **PAGE_SAMPLING)
     assert SCHEME_LABELS[DEFAULT_SCHEME] == AUTO and "sampling at T=" in sampled.reason
     controls = dict(zip(MODEL_OUTPUTS, page.model_controls(DEFAULT_MODEL)))
     assert tuple(controls[n]["value"] for n in ("k", "lookup_tokens", "tree_candidates")) == _values(greedy.settings)

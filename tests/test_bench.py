@@ -364,18 +364,23 @@ def test_a_prompt_longer_than_the_context_is_skipped_with_one_line(tmp_path):
 
 
 def test_top_k_reaches_both_samplers_and_a_bad_one_is_named(tmp_path):
-    """--top-k 1 leaves one token to draw: vanilla and SDSAT sampling then give greedy's output."""
-    code, err = small_bench(tmp_path, "--max-new-tokens", "8", "--methods", "vanilla", "vanilla_sample",
-                            "sdsat_sample", "--sample-k", "2", "--schemes", "two_step", "lookup_tree",
-                            "--temperatures", "1.5", "--top-k", "1", "--no-figures", "--no-pass-at-1")
-    assert code == 0, err
-    payload = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert payload["meta"]["settings"]["top_k"] == 1
-    greedy = next(r["token_ids"] for r in payload["runs"] if r["method"] == "vanilla")
-    sampled = [r for r in payload["runs"] if r["method"] != "vanilla"]
-    assert len(sampled) == 3 and all(r["token_ids"] == greedy for r in sampled)
+    """--top-k 1 leaves one token to draw: vanilla and SDSAT sampling then give greedy's output, which the
+    same seeded runs without it leave."""
+    def sampled_runs(*top_k: str) -> tuple[list[int], list[dict], dict]:
+        code, err = small_bench(tmp_path, "--max-new-tokens", "8", "--methods", "vanilla", "vanilla_sample",
+                                "sdsat_sample", "--sample-k", "2", "--schemes", "two_step", "lookup_tree",
+                                "--temperatures", "1.5", *top_k, "--no-figures", "--no-pass-at-1")
+        assert code == 0, err
+        payload = json.loads((tmp_path / "out" / "results.json").read_text())
+        greedy = next(r["token_ids"] for r in payload["runs"] if r["method"] == "vanilla")
+        return greedy, [r for r in payload["runs"] if r["method"] != "vanilla"], payload["meta"]["settings"]
+
+    greedy, sampled, settings = sampled_runs("--top-k", "1")
+    assert settings["top_k"] == 1 and len(sampled) == 3 and all(r["token_ids"] == greedy for r in sampled)
+    greedy, sampled, settings = sampled_runs()
+    assert settings["top_k"] == 0 and all(r["token_ids"] != greedy for r in sampled)
     code, err = small_bench(tmp_path, "--top-k", "5000")
-    assert code == 2 and err.strip() == "error: top_k must be between 0 (off) and 1000, got 5000"
+    assert code == 2 and err.strip() == "error: --top-k: top_k must be between 0 (off) and 1000, got 5000"
 
 
 def test_fitting_prompts_counts_the_widest_reach_of_any_variant():

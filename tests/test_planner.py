@@ -12,7 +12,8 @@ import pytest
 
 from sdsat.bench.acceptance import SAMPLED
 from sdsat.costs import CostCurve
-from sdsat.planner import MISSED, PromptTrace, SampledAcceptance, Settings, Trace, choose, predict, replay
+from sdsat.engine import DEFAULT_ADAPTER
+from sdsat.planner import MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Settings, Trace, choose, predict, replay
 from sdsat.tree import MAX_EXTRA, DraftTree
 from sdsat.ui.presets import PAGE_SAMPLING
 
@@ -211,14 +212,24 @@ def test_the_nearest_sampled_setting_weighs_temperature_then_top_p_then_top_k():
     assert trace.sampled_at(0.8, 0.95, 50) is top_k and trace.sampled_at(0.8, 0.95, 200) is top_k
     assert trace.sampled_at(0.8, 0.95) is plain and trace.sampled_at(0.8, 0.95, 5000) is plain
     assert trace.sampled_at(1.0, 1.0, 50) is hot  # the temperature decides first
+    nucleus, wide = sampled([[0.5]], temperature=0.8, top_p=0.95), sampled([[0.6]], temperature=0.8, top_k=50)
+    trace.sampled = [wide, nucleus]
+    assert trace.sampled_at(0.8, 0.95, 50) is nucleus  # then top-p
+    cool, warm = sampled([[0.5]], temperature=0.7, top_p=0.95), sampled([[0.6]], temperature=0.8, top_p=0.95, top_k=50)
+    trace.sampled = [cool, warm, hot]
+    assert trace.sampled_at(0.75, 0.95, 50) is warm and trace.sampled_at(0.75, 0.95) is cool  # top-k breaks the tie
+    trace.sampled = [plain, top_k, hot]
     # the plan names the setting it was priced at
     plan = choose([curve(FLAT)], trace, max_k=4, greedy=False, temperature=0.8, top_p=0.95, top_k=40)
     assert "T=0.8 top-p 0.95 top-k 50" in plan.reason
 
 
-def test_the_trace_measures_the_pages_own_sampling_defaults():
+def test_the_shipped_trace_measured_the_pages_own_sampling_defaults():
     """auto's sampled plan on the page is priced at exactly the setting the race opens with."""
-    assert tuple(PAGE_SAMPLING[name] for name in ("temperature", "top_p", "top_k")) in SAMPLED
+    page = tuple(PAGE_SAMPLING[name] for name in ("temperature", "top_p", "top_k"))
+    assert page in SAMPLED
+    shipped = Trace.load(DEFAULT_ADAPTER / TRACE_FILE).sampled_at(**PAGE_SAMPLING)
+    assert (shipped.temperature, shipped.top_p, shipped.top_k) == page
 
 
 def test_a_trace_file_without_top_k_loads_as_sampled_without_it(tmp_path):

@@ -197,16 +197,16 @@ def _prepare(args) -> _Bench:
 
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
+    from ..sampling import SamplingConfig
     from .methods import AUTO, auto_choices, plan_variants
     from .prompts import PromptFileError, file_prompts, humaneval_prompts
     from .runner import BenchConfig, encode_prompts, fitting_prompts
 
-    from ..sampling import SamplingConfig
-
-    try:  # the sampling config's own range checks name the setting
-        SamplingConfig(do_sample=True, top_p=args.top_p, top_k=args.top_k).validate()
-    except ValueError as err:
-        raise _Refused(err) from None
+    for flag, setting in (("--top-p", dict(top_p=args.top_p)), ("--top-k", dict(top_k=args.top_k))):
+        try:  # the sampling config's own range check
+            SamplingConfig(do_sample=True, **setting).validate()
+        except ValueError as err:
+            raise _Refused(f"{flag}: {err}") from None
     try:
         prompts = (file_prompts(args.prompts, args.subset, args.limit) if args.prompts
                    else humaneval_prompts(args.subset, args.limit))

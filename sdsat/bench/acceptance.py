@@ -1,14 +1,14 @@
 """`python -m sdsat.bench.acceptance`: measure the acceptance trace the `auto` planner replays.
 
-For each prompt: vanilla's greedy output, then, at every output position, one draft pass [t, SAT×K]
-over the true history, recording where each true next token ranks among the SAT's choices
-(planner.py). Then, per sampling setting (T = 0.7 with top-p 0.95, T = 1, and the page's T = 0.8 with
-top-p 0.95 and top-k 50), sampled decodes of the
-same prompts with the largest draft tree and prompt lookup: how often the i-th sibling tried at each
-depth passes its accept test, and how often each copy does (`SampledAcceptance`), which the planner
-prices sampled settings with. The trace depends on the model and its SATs, not on the machine, so it
-is measured once and shipped next to the adapter (`acceptance.json`). The default prompts are
-HumanEval's last 16 problems, kept apart from the benchmark's headline subset (0–15).
+For each prompt: vanilla's greedy output, then, at every output position, one draft pass [t, SAT×K] over
+the true history, recording where each true next token ranks among the SAT's choices (planner.py). Then,
+per sampling setting (T = 0.7 with top-p 0.95, T = 1, and the page's T = 0.8 with top-p 0.95 and top-k
+50), sampled decodes of the same prompts with the largest draft tree and prompt lookup: how often the
+i-th sibling tried at each depth passes its accept test, and how often each copy does
+(`SampledAcceptance`), which the planner prices sampled settings with. The trace depends on the model
+and its SATs, not on the machine, so it is measured once and shipped next to the adapter
+(`acceptance.json`). The default prompts are HumanEval's last 16 problems, kept apart from the
+benchmark's headline subset (0–15).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: 
     return ranks
 
 
-def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_new_tokens: int,
-                       top_k: int = 0) -> SampledAcceptance:
+def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k: int,
+                       max_new_tokens: int) -> SampledAcceptance:
     """Pass rates of sampled accept tests over seeded decodes of `prompts` with k = the SATs' depth, every
     runner-up of the draft tree and prompt lookup: per depth and try, and per copy. A sibling the tree had but
     q could not supply (top-k / top-p left fewer tokens) counts as a failed try, as the planner's replay
@@ -97,7 +97,8 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, max_ne
     rows = [[rate(("sat", d, i)) for i in range(1 + max(a for _, dd, a in sats if dd == d))]
             for d in range(1, depth + 1)]
     longest = max((key[1] for key in tried if key[0] == "copy"), default=0)
-    return SampledAcceptance(temperature, top_p, rows, [rate(("copy", j)) for j in range(1, longest + 1)], top_k)
+    return SampledAcceptance(temperature, top_p, rows, [rate(("copy", j)) for j in range(1, longest + 1)],
+                             top_k=top_k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = Trace(traces, depth, source)
     trace.sampled = []
     for temperature, top_p, top_k in SAMPLED:
-        trace.sampled.append(sampled_acceptance(engine, prompts, temperature, top_p, args.max_new_tokens, top_k))
+        trace.sampled.append(sampled_acceptance(engine, prompts, temperature, top_p, top_k, args.max_new_tokens))
         print(f"sampled T={temperature:g} top-p {top_p:g} top-k {top_k}: {trace.sampled[-1].to_dict()}",
               file=sys.stderr)
     trace.save(out)

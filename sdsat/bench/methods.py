@@ -14,7 +14,7 @@ when there are any, are verified in place of a SAT draft step (`DecodeConfig.loo
 two_step whose verify pass also checks the SATs' runner-up candidates, or under sampling further draws
 (`DecodeConfig.tree_candidates`), and lookup_tree: both. The recipe `auto` takes scheme, k, lookup and
 tree from the engine's tuning (`Engine.tune().plan`; sampled runs its plan for sampling at their
-temperature and top-p) and ignores the k sweep.
+temperature, top-p and top-k) and ignores the k sweep.
 
 Vanilla may also run on a second engine in another precision (`Variant.precision`, labelled e.g.
 "vanilla bfloat16"): the fastest plain decoding of any precision is the headline's baseline.

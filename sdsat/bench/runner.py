@@ -97,8 +97,8 @@ def warm_up(engine: Engine, variants: list[Variant], prompt_ids: list[int], conf
         return
     for variant in variants:
         measure(engine_for(variant, engine, baselines), variant, prompt_ids, config.warmup_tokens, seed=config.seed,
-                top_p=config.top_p, top_k=config.top_k, lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
-                tree_candidates=config.tree_candidates)
+                top_p=config.top_p, top_k=config.top_k, lookup_ngram=config.lookup_ngram,
+                lookup_tokens=config.lookup_tokens, tree_candidates=config.tree_candidates)
         yield variant
 
 
@@ -112,8 +112,9 @@ def measure_all(engine: Engine, variants: list[Variant], prompt_ids: list[list[i
         for repeat in range(config.repeats):
             for variant in order:
                 yield measure(engine_for(variant, engine, baselines), variant, ids, config.max_new_tokens,
-                              seed=config.seed_for(index, repeat), top_p=config.top_p, top_k=config.top_k, lookup_ngram=config.lookup_ngram,
-                              lookup_tokens=config.lookup_tokens, tree_candidates=config.tree_candidates,
+                              seed=config.seed_for(index, repeat), top_p=config.top_p, top_k=config.top_k,
+                              lookup_ngram=config.lookup_ngram, lookup_tokens=config.lookup_tokens,
+                              tree_candidates=config.tree_candidates,
                               prompt_index=index, repeat=repeat)
 
 

@@ -172,7 +172,9 @@ def race_costs(engine: Engine, config: DecodeConfig, sdsat: GenerationResult, ac
     settings = Settings(config.scheme, config.k, config.lookup_tokens, config.tree_candidates)
     sampling, predicted = config.sampling, None
     if tuning.trace is not None and tuning.trace.prompts:
-        sampled = tuning.trace.sampled_at(sampling.temperature, sampling.top_p, sampling.top_k) if sampling.do_sample else None
+        sampled = None
+        if sampling.do_sample:
+            sampled = tuning.trace.sampled_at(sampling.temperature, sampling.top_p, sampling.top_k)
         predicted = predict(tuning.trace, settings, curve, curve.one_token_s, sampled).speedup
     seconds = priced_seconds(sdsat.steps, curve, config.k)
     implied = len(sdsat.token_ids) * curve.one_token_s / seconds if sdsat.token_ids and seconds > 0 else None
