@@ -32,11 +32,16 @@ FASTEST = "speed-up vs fastest vanilla (median)"  # suites that ran vanilla in e
 
 # folder (relative to assets/bench) -> (file-name prefix, title); the current suites first
 OLDER = " (older: float32 vanilla, before auto)"
-STAGE1 = " (the stage-1 adapter)"
-SUITES = {"stage2-humaneval-16-35": ("stage2-humaneval-16-35",
+STAGE1, STAGE2 = " (the stage-1 adapter)", " (the stage-2 adapter)"
+SUITES = {"stage3-humaneval-16-35": ("stage3-humaneval-16-35",
                                      "HumanEval 16–35 (held out), auto against the fastest vanilla"),
-          "stage2-heldout-code": ("stage2-heldout-code",
+          "stage3-heldout-code": ("stage3-heldout-code",
                                   "Held-out code prompts, auto against the fastest vanilla"),
+          "stage3-chat-16": ("stage3-chat-16", "Chat prompts, all 16, auto against the fastest vanilla"),
+          "stage2-humaneval-16-35": ("stage2-humaneval-16-35",
+                                     "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE2),
+          "stage2-heldout-code": ("stage2-heldout-code",
+                                  "Held-out code prompts, auto against the fastest vanilla" + STAGE2),
           "trees-humaneval-0-15": ("auto-humaneval-0-15",
                                    "HumanEval 0–15, auto against the fastest vanilla" + STAGE1),
           "final-humaneval-16-35": ("auto-humaneval-16-35",
