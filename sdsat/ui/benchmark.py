@@ -38,6 +38,12 @@ SUITES = {"stage3-humaneval-16-35": ("stage3-humaneval-16-35",
           "stage3-heldout-code": ("stage3-heldout-code",
                                   "Held-out code prompts, auto against the fastest vanilla"),
           "stage3-chat-16": ("stage3-chat-16", "Chat prompts, all 16, auto against the fastest vanilla"),
+          "stage3-sampling-humaneval-16-35-t07": ("stage3-sampling-humaneval-16-35-t07",
+                                                  "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, auto against "
+                                                  "vanilla sampling"),
+          "stage3-sampling-heldout-chat-t07": ("stage3-sampling-heldout-chat-t07",
+                                               "Sampling at T=0.7, top-p 0.95: held-out chat prompts, auto against "
+                                               "vanilla sampling"),
           "stage2-humaneval-16-35": ("stage2-humaneval-16-35",
                                      "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE2),
           "stage2-heldout-code": ("stage2-heldout-code",
