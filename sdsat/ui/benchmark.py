@@ -44,6 +44,8 @@ SUITES = {"stage3-humaneval-16-35": ("stage3-humaneval-16-35",
           "stage3-sampling-heldout-chat-t07": ("stage3-sampling-heldout-chat-t07",
                                                "Sampling at T=0.7, top-p 0.95: held-out chat prompts, auto against "
                                                "vanilla sampling"),
+          "stage3-sampling-humaneval-16-35-t1": ("stage3-sampling-humaneval-16-35-t1",
+                                                 "Sampling at T=1: HumanEval 16–35, auto against vanilla sampling"),
           "stage2-humaneval-16-35": ("stage2-humaneval-16-35",
                                      "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE2),
           "stage2-heldout-code": ("stage2-heldout-code",
