@@ -21,6 +21,7 @@ MAX_TEMPERATURE = 5.0  # higher ones give near-random text
 MAX_TOP_K = 1000
 MAX_SEED = 2**31 - 1
 RESIDUAL_SHOWN = 5  # a rejection's residual distribution: this many of its top tokens are recorded
+NUCLEUS_CANDIDATES = 256  # top-p looks for the nucleus among this many top tokens before sorting a whole row
 
 
 @dataclass
@@ -44,6 +45,34 @@ class SamplingConfig:
             check_whole("seed", self.seed, 0, MAX_SEED)
 
 
+class PartialSortTopP:
+    """Top-p (nucleus) filtering with transformers' TopPLogitsWarper's rule, without sorting the whole row.
+
+    A token is kept when the probability of the tokens ranked above it is below top_p (so the top token
+    always is). That rule reads only the top tokens: when the nucleus ends within the NUCLEUS_CANDIDATES
+    highest logits, a partial sort of them decides it, and rows whose nucleus is wider go to transformers'
+    warper, which sorts them whole. A full sort of a 49 k-token row costs about as much as all the rest of
+    sampling (docs/architecture.md, "Sampling cost").
+    """
+
+    def __init__(self, top_p: float):
+        self.top_p = top_p
+        self.whole_rows = TopPLogitsWarper(top_p)
+
+    def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
+        """(N, V) logits -> (N, V) the same logits, -inf outside each row's nucleus; `input_ids` is unused."""
+        vocabulary = scores.shape[-1]
+        top = scores.topk(min(NUCLEUS_CANDIDATES, vocabulary), dim=-1)  # (N, m), highest first
+        probs = (top.values - scores.logsumexp(-1, keepdim=True)).exp()
+        keep = probs.cumsum(-1) - probs < self.top_p  # mass above each candidate below top_p: a prefix
+        kept = top.values.masked_fill(~keep, float("-inf"))
+        out = torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, kept)
+        wider = keep.all(-1) if top.values.shape[-1] < vocabulary else torch.zeros_like(keep[:, 0])
+        if bool(wider.any()):  # the nucleus may go on past the candidates
+            out[wider] = self.whole_rows(None, scores[wider])
+        return out
+
+
 class TokenChooser:
     """Turns logits into tokens for one request: greedy argmax or seeded sampling."""
 
@@ -57,7 +86,7 @@ class TokenChooser:
             if config.top_k > 0:
                 self.warpers.append(TopKLogitsWarper(config.top_k))
             if config.top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(config.top_p))
+                self.warpers.append(PartialSortTopP(config.top_p))
         self.generator = torch.Generator(device=device)
         if config.seed is None:
             self.generator.seed()
@@ -75,7 +104,7 @@ class TokenChooser:
         """(N, V) logits -> (tokens (N,), their probabilities (N,)); greedy or sampled."""
         probs = self.probs(logits)
         if self.config.do_sample:
-            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            tokens = self._draw_rows(probs)
         else:
             tokens = probs.argmax(-1)
         return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -83,8 +112,23 @@ class TokenChooser:
     def draw(self, q: torch.Tensor) -> torch.Tensor:
         """(k, V) draft distributions -> (k,) drafts: sampled when sampling, else each row's top token."""
         if self.config.do_sample:
-            return torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+            return self._draw_rows(q)
         return q.argmax(-1)
+
+    def _draw_rows(self, probs: torch.Tensor) -> torch.Tensor:
+        """(N, V) distributions -> (N,) one token drawn from each row, by inverting its cumulative sum at a
+        uniform draw: exact up to float64 rounding, and a small fraction of torch.multinomial's time on a large
+        vocabulary (it draws an exponential number for every token)."""
+        wide = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
+        cumulative = probs.to(wide).cumsum(-1)  # (N, V)
+        u = torch.rand(len(probs), 1, generator=self.generator, device=probs.device, dtype=wide)
+        tokens = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).squeeze(-1)
+        tokens = tokens.clamp(max=probs.shape[-1] - 1)  # u * total rounded up to the total
+        picked = probs.gather(-1, tokens[:, None]).squeeze(-1)
+        if bool((picked <= 0).any()):  # the same rounding landed on a token after the last with mass
+            last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+            tokens = torch.where(picked > 0, tokens, last)
+        return tokens
 
     def draw_ranked(self, q: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
         """(depth, V) draft distributions -> ((depth, count) tokens, per row how many are real draws).
@@ -141,14 +185,14 @@ class TokenChooser:
                 residual = left / left.sum()
             top = residual.topk(min(RESIDUAL_SHOWN, residual.shape[-1]))
             tests[-1].residual = [(int(t), float(v)) for v, t in zip(top.values, top.indices) if v > 0]
-        token = int(torch.multinomial(residual, 1, generator=self.generator))
+        token = self.sample(residual)
         if tests:
             tests[-1].replacement = token
         return None, token, tests
 
     def sample(self, p: torch.Tensor) -> int:
         """One token drawn from the distribution p (V,)."""
-        return int(torch.multinomial(p, 1, generator=self.generator))
+        return int(self._draw_rows(p[None])[0])
 
     def accept(self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int, list[AcceptTest]]:
         """Verify a chain of drafts against the model; returns (accepted drafts, the model's next token, the

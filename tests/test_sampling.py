@@ -21,7 +21,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from conftest import make_tiny_llama
 from sdsat.decoding import DecodeConfig, decode, collect
 from sdsat.records import AcceptTest
-from sdsat.sampling import SamplingConfig, TokenChooser
+from sdsat.sampling import NUCLEUS_CANDIDATES, PartialSortTopP, SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 
 VOCAB = 8
@@ -170,6 +170,37 @@ def test_accept_keeps_the_first_token_distributed_as_p():
     assert 0.2 < accepted / draws < 0.8
     expected = p[0].double().numpy()
     assert stats.chisquare(counts, expected / expected.sum() * draws).pvalue > ALPHA
+
+
+@pytest.mark.parametrize("top_k", [0, 50])
+def test_the_partial_sort_nucleus_keeps_what_transformers_top_p_keeps(top_k: int):
+    """PartialSortTopP against transformers' TopPLogitsWarper on a real vocabulary's width: peaked rows, whose
+    nucleus lies within the candidates, and flat ones, whose nucleus is wider and goes to the whole-row sort."""
+    gen = torch.Generator().manual_seed(0)
+    vocabulary = 49152
+    scales = torch.tensor([0.3, 1.0, 3.0, 8.0, 20.0])[:, None]  # flat (wide nucleus) to peaked (a few tokens)
+    scores = torch.randn(len(scales), vocabulary, generator=gen) * scales
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    for top_p in (0.1, 0.5, 0.9, 0.95, 0.999):
+        ours = PartialSortTopP(top_p)(None, scores.clone())
+        theirs = TopPLogitsWarper(top_p)(None, scores.clone())
+        assert torch.equal(ours, theirs), top_p
+    sizes = (TopPLogitsWarper(0.95)(None, scores.clone()) > float("-inf")).sum(-1)
+    if not top_k:  # both kinds of row were there
+        assert sizes.min() <= NUCLEUS_CANDIDATES < sizes.max()
+
+
+def test_a_drawn_token_follows_its_row_and_never_lands_where_there_is_no_mass():
+    chooser = TokenChooser(SamplingConfig(do_sample=True, seed=0), torch.device("cpu"))
+    p = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.5]])
+    draws = 20000
+    tokens = torch.stack([chooser._draw_rows(p) for _ in range(draws)])  # (draws, 2)
+    for row in range(len(p)):
+        counts = np.bincount(tokens[:, row].numpy(), minlength=p.shape[1])
+        assert counts[p[row].numpy() == 0].sum() == 0
+        support = p[row].numpy() > 0
+        assert stats.chisquare(counts[support], p[row].numpy()[support] * draws).pvalue > ALPHA
 
 
 # Draft trees under sampling: (k, tree_candidates, sampling settings, lookup_tokens). With k = 1 the
