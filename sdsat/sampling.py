@@ -141,10 +141,11 @@ class TokenChooser:
         if not self.config.do_sample:
             return q.topk(count, dim=-1).indices, [count] * len(q)
         valid = (q > 0).sum(-1).clamp(max=count).tolist()
-        rows = []
-        for row, n in zip(q, valid):
-            drawn = torch.multinomial(row, n, replacement=False, generator=self.generator)
-            rows.append(torch.cat([drawn, drawn[:1].expand(count - n)]))
+        # Gumbel-top-k: the order of log q + Gumbel noise is that of successive draws without replacement
+        # (Kool et al. 2019), at a third of torch.multinomial's time here (docs/architecture.md).
+        u = torch.rand(q.shape, generator=self.generator, device=q.device).clamp_(min=torch.finfo(torch.float32).tiny)
+        order = (q.log() - (-u.log()).log()).topk(count, dim=-1).indices  # (depth, count)
+        rows = [torch.cat([row[:n], row[:1].expand(count - n)]) for row, n in zip(order, valid)]
         return torch.stack(rows), valid
 
     def try_siblings(self, p: torch.Tensor, q: torch.Tensor, draws: list[int], ranks: list[int],
