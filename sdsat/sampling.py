@@ -1,4 +1,5 @@
-"""Token choice: greedy, sampling through transformers' logits processors, and speculative acceptance.
+"""Token choice: greedy, sampling (transformers' temperature and top-k warpers, a partial-sort top-p), and
+speculative acceptance.
 
 Names follow the speculative-sampling papers: `p` is the target model's distribution at a position
 (what vanilla sampling would draw from), `q` the distribution the SAT drafted from.
@@ -51,8 +52,9 @@ class PartialSortTopP:
     A token is kept when the probability of the tokens ranked above it is below top_p (so the top token
     always is). That rule reads only the top tokens: when the nucleus ends within the NUCLEUS_CANDIDATES
     highest logits, a partial sort of them decides it, and rows whose nucleus is wider go to transformers'
-    warper, which sorts them whole. A full sort of a 49 k-token row costs about as much as all the rest of
-    sampling (docs/architecture.md, "Sampling cost").
+    warper, which sorts them whole (docs/architecture.md, "Sampling cost"). Where tied logits or float
+    rounding decide the nucleus's edge, the two may keep a different token; p, q and vanilla sampling all
+    go through this one, so sampling stays exact.
     """
 
     def __init__(self, top_p: float):
@@ -73,6 +75,55 @@ class PartialSortTopP:
         return out
 
 
+def _cumulative(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., V) probabilities -> (them, their cumulative sums), in float64 (on the CPU where the device has no
+    float64); raises ValueError for a row without mass, which no draw can come from."""
+    wide = probs.to("cpu" if probs.device.type == "mps" else probs.device, torch.float64)
+    cumulative = wide.cumsum(-1)
+    total = cumulative[..., -1]
+    if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()) or bool((wide < 0).any()):
+        raise ValueError("cannot draw from a distribution whose probabilities are negative, NaN or all zero")
+    return wide, cumulative
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(N, V) probabilities (not necessarily normalised) and (N,) numbers in [0, 1) -> (N,) for each row the
+    first token whose cumulative sum exceeds u times the row's total. With u uniform that is a draw from
+    the row, exact up to float64 rounding; torch.multinomial draws an exponential number per token instead,
+    several times slower on a large vocabulary (docs/architecture.md, "Sampling cost")."""
+    wide, cumulative = _cumulative(probs)  # (N, V) each
+    u = u.to(cumulative.device, torch.float64)
+    tokens = torch.searchsorted(cumulative, (u * cumulative[:, -1])[:, None], right=True).squeeze(-1)
+    tokens = tokens.clamp(max=probs.shape[-1] - 1)  # u * total rounded up to the total
+    empty = wide.gather(-1, tokens[:, None]).squeeze(-1) <= 0
+    if bool(empty.any()):  # rounding landed past the row's last token with mass: that token is meant
+        last = wide.shape[-1] - 1 - (wide.flip(-1) > 0).int().argmax(-1)
+        tokens = torch.where(empty, last, tokens)
+    return tokens
+
+
+def draws_without_replacement(row: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """(V,) probabilities and (n,) numbers in [0, 1) -> n distinct tokens: the i-th is `inverse_cdf` of the
+    row without the tokens before it, at u[i]. With u uniform these are successive draws without
+    replacement, which is what tree siblings need (docs/architecture.md, "Sampling a tree")."""
+    wide, cumulative = (t[0].cpu() for t in _cumulative(row[None]))  # (V,) each
+    start = torch.cat([cumulative.new_zeros(1), cumulative[:-1]])
+    total, drawn = float(cumulative[-1]), []
+    for ui in u.tolist():
+        target = ui * (total - sum(float(cumulative[x] - start[x]) for x in drawn))
+        for x in sorted(drawn):  # step over each drawn token's interval once the target has reached it
+            if target >= float(start[x]):
+                target += float(cumulative[x] - start[x])
+        token = min(int(torch.searchsorted(cumulative, torch.tensor([target], dtype=torch.float64), right=True)),
+                    len(cumulative) - 1)
+        if token in drawn or wide[token] <= 0:  # rounding at an interval's edge, or a mass too small to count
+            left = wide > 0
+            left[drawn] = False
+            token = int(left.nonzero()[-1])
+        drawn.append(token)
+    return drawn
+
+
 class TokenChooser:
     """Turns logits into tokens for one request: greedy argmax or seeded sampling."""
 
@@ -87,7 +138,8 @@ class TokenChooser:
                 self.warpers.append(TopKLogitsWarper(config.top_k))
             if config.top_p < 1.0:
                 self.warpers.append(PartialSortTopP(config.top_p))
-        self.generator = torch.Generator(device=device)
+        # MPS has no float64 uniforms, which the draws need: its sampler's numbers come from the CPU.
+        self.generator = torch.Generator(device="cpu" if torch.device(device).type == "mps" else device)
         if config.seed is None:
             self.generator.seed()
         else:
@@ -116,19 +168,12 @@ class TokenChooser:
         return q.argmax(-1)
 
     def _draw_rows(self, probs: torch.Tensor) -> torch.Tensor:
-        """(N, V) distributions -> (N,) one token drawn from each row, by inverting its cumulative sum at a
-        uniform draw: exact up to float64 rounding, and a small fraction of torch.multinomial's time on a large
-        vocabulary (it draws an exponential number for every token)."""
-        wide = torch.float32 if probs.device.type == "mps" else torch.float64  # MPS has no float64
-        cumulative = probs.to(wide).cumsum(-1)  # (N, V)
-        u = torch.rand(len(probs), 1, generator=self.generator, device=probs.device, dtype=wide)
-        tokens = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).squeeze(-1)
-        tokens = tokens.clamp(max=probs.shape[-1] - 1)  # u * total rounded up to the total
-        picked = probs.gather(-1, tokens[:, None]).squeeze(-1)
-        if bool((picked <= 0).any()):  # the same rounding landed on a token after the last with mass
-            last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
-            tokens = torch.where(picked > 0, tokens, last)
-        return tokens
+        """(N, V) distributions -> (N,) one token drawn from each row (`inverse_cdf`)."""
+        return inverse_cdf(probs, self._uniform(len(probs))).to(probs.device)
+
+    def _uniform(self, n: int) -> torch.Tensor:
+        """(n,) float64 numbers uniform in [0, 1), from this request's generator."""
+        return torch.rand(n, generator=self.generator, device=self.generator.device, dtype=torch.float64)
 
     def draw_ranked(self, q: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
         """(depth, V) draft distributions -> ((depth, count) tokens, per row how many are real draws).
@@ -141,12 +186,11 @@ class TokenChooser:
         if not self.config.do_sample:
             return q.topk(count, dim=-1).indices, [count] * len(q)
         valid = (q > 0).sum(-1).clamp(max=count).tolist()
-        # Gumbel-top-k: the order of log q + Gumbel noise is that of successive draws without replacement
-        # (Kool et al. 2019), at a third of torch.multinomial's time here (docs/architecture.md).
-        u = torch.rand(q.shape, generator=self.generator, device=q.device).clamp_(min=torch.finfo(torch.float32).tiny)
-        order = (q.log() - (-u.log()).log()).topk(count, dim=-1).indices  # (depth, count)
-        rows = [torch.cat([row[:n], row[:1].expand(count - n)]) for row, n in zip(order, valid)]
-        return torch.stack(rows), valid
+        rows = []
+        for row, n in zip(q, valid):
+            drawn = draws_without_replacement(row, self._uniform(n))
+            rows.append(drawn + drawn[:1] * (count - n))
+        return torch.tensor(rows, device=q.device), valid
 
     def try_siblings(self, p: torch.Tensor, q: torch.Tensor, draws: list[int], ranks: list[int],
                      depth: int) -> tuple[int | None, int | None, list[AcceptTest]]:
@@ -177,7 +221,7 @@ class TokenChooser:
             px, qx = float(residual[x]), float(proposal[x])
             if qx <= 0:  # a draw q gives no mass (float rounding at low temperatures): stopping here stays exact
                 break
-            u = float(torch.rand((), generator=self.generator, device=p.device))
+            u = float(self._uniform(1))
             tests.append(AcceptTest(depth=depth, token=x, p=px, q=qx, u=u, accepted=u * qx < px, rank=rank))
             if tests[-1].accepted:
                 return i, None, tests

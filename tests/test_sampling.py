@@ -21,7 +21,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from conftest import make_tiny_llama
 from sdsat.decoding import DecodeConfig, decode, collect
 from sdsat.records import AcceptTest
-from sdsat.sampling import NUCLEUS_CANDIDATES, PartialSortTopP, SamplingConfig, TokenChooser
+from sdsat.sampling import NUCLEUS_CANDIDATES, PartialSortTopP, SamplingConfig, TokenChooser, inverse_cdf
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 
 VOCAB = 8
@@ -175,20 +175,39 @@ def test_accept_keeps_the_first_token_distributed_as_p():
 @pytest.mark.parametrize("top_k", [0, 50])
 def test_the_partial_sort_nucleus_keeps_what_transformers_top_p_keeps(top_k: int):
     """PartialSortTopP against transformers' TopPLogitsWarper on a real vocabulary's width: peaked rows, whose
-    nucleus lies within the candidates, and flat ones, whose nucleus is wider and goes to the whole-row sort."""
+    nucleus lies within the candidates, and flat ones, whose nucleus is wider and goes to the whole-row sort.
+    In float32 the kept tokens are the same; with bfloat16's ties at the edge of the nucleus, which of the
+    tied tokens stays is the sort's arbitrary choice, so only how many stay is compared there."""
     gen = torch.Generator().manual_seed(0)
     vocabulary = 49152
     scales = torch.tensor([0.3, 1.0, 3.0, 8.0, 20.0])[:, None]  # flat (wide nucleus) to peaked (a few tokens)
     scores = torch.randn(len(scales), vocabulary, generator=gen) * scales
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
+    tied = scores.bfloat16().float() / 0.7
     for top_p in (0.1, 0.5, 0.9, 0.95, 0.999):
         ours = PartialSortTopP(top_p)(None, scores.clone())
         theirs = TopPLogitsWarper(top_p)(None, scores.clone())
         assert torch.equal(ours, theirs), top_p
+        kept = [(warper(None, tied.clone()) > float("-inf")).sum(-1) for warper in (PartialSortTopP(top_p),
+                                                                                    TopPLogitsWarper(top_p))]
+        assert torch.equal(*kept), top_p
     sizes = (TopPLogitsWarper(0.95)(None, scores.clone()) > float("-inf")).sum(-1)
     if not top_k:  # both kinds of row were there
         assert sizes.min() <= NUCLEUS_CANDIDATES < sizes.max()
+
+
+def test_inverse_cdf_lands_on_tokens_with_mass_at_both_ends_of_the_unit_interval():
+    rows = torch.tensor([[0.0, 0.0, 2.0, 0.0, 6.0, 0.0],  # not normalised; zeros at both ends and between
+                         [0.0, 0.25, 0.25, 0.5, 0.0, 0.0]])
+    below_one = torch.tensor(np.nextafter(1.0, 0.0), dtype=torch.float64)
+    assert inverse_cdf(rows, torch.zeros(2, dtype=torch.float64)).tolist() == [2, 1]
+    assert inverse_cdf(rows, below_one.expand(2)).tolist() == [4, 3]
+    assert inverse_cdf(rows, torch.tensor([0.25, 0.5], dtype=torch.float64)).tolist() == [4, 3]
+    assert inverse_cdf(rows, torch.tensor([0.2499, 0.4999], dtype=torch.float64)).tolist() == [2, 2]
+    for bad in ([0.0, 0.0], [float("nan"), 1.0], [-0.5, 1.5]):
+        with pytest.raises(ValueError, match="cannot draw"):
+            inverse_cdf(torch.tensor([bad]), torch.zeros(1, dtype=torch.float64))
 
 
 def test_a_drawn_token_follows_its_row_and_never_lands_where_there_is_no_mass():
@@ -201,6 +220,30 @@ def test_a_drawn_token_follows_its_row_and_never_lands_where_there_is_no_mass():
         assert counts[p[row].numpy() == 0].sum() == 0
         support = p[row].numpy() > 0
         assert stats.chisquare(counts[support], p[row].numpy()[support] * draws).pvalue > ALPHA
+
+
+def test_siblings_are_successive_draws_without_replacement_on_a_wide_vocabulary():
+    """The first and second of three siblings against their exact marginals, P(x2 = x) = sum over y != x of
+    q(y) q(x) / (1 - q(y)), on a row shaped like a real one: a few likely tokens, a long thin tail."""
+    vocabulary, draws = 5000, 6000
+    q = torch.full((vocabulary,), 0.2 / (vocabulary - 3), dtype=torch.float64)
+    q[[7, 1234, 4999]] = torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64)
+    q[[0, 10]] = 0.0
+    q /= q.sum()
+    chooser = TokenChooser(SamplingConfig(do_sample=True, seed=0), torch.device("cpu"))
+    drawn, valid = zip(*(chooser.draw_ranked(q[None].float(), 3) for _ in range(draws)))
+    drawn = torch.cat(drawn)  # (draws, 3)
+    assert all(v == [3] for v in valid)
+    assert all(len(set(row)) == 3 for row in drawn.tolist())
+    second = (q[:, None] * q[None, :] / (1 - q[:, None])).sum(0) - q * q / (1 - q)  # sum over y != x
+    for i, marginal in enumerate((q, second)):
+        counts = np.bincount(drawn[:, i].numpy(), minlength=vocabulary).astype(float)
+        expected = marginal.numpy() * draws
+        assert counts[expected == 0].sum() == 0
+        rare = expected < 5
+        obs = np.append(counts[~rare], counts[rare].sum())
+        exp = np.append(expected[~rare], expected[rare].sum())
+        assert stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
 
 
 # Draft trees under sampling: (k, tree_candidates, sampling settings, lookup_tokens). With k = 1 the

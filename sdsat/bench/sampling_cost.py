@@ -3,9 +3,9 @@
 Every sampled token, vanilla or speculative, goes through the warpers (temperature, top-k, top-p) and
 one draw; SDSAT does it for every verified row and every drafted one. This times, on the real model's
 logits after a code prompt, transformers' top-p warper against the project's partial-sort one
-(`sampling.PartialSortTopP`), and torch.multinomial against the sampler's draws (one token by inverse
-CDF; tree siblings, without replacement, by Gumbel-top-k), interleaved call by call; medians are
-reported. Each pair gives the same distributions (tests/test_sampling.py).
+(`sampling.PartialSortTopP`), and torch.multinomial against the sampler's draws by inverse CDF (one
+token; tree siblings without replacement), interleaved call by call; medians are reported. Each pair
+gives the same distributions (tests/test_sampling.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def measure(logits: torch.Tensor, top_p: float, repeats: int, seed: int = 0) -> 
         "draw, torch.multinomial": lambda: torch.multinomial(probs, 1, generator=generator),
         "draw, inverse CDF (sdsat)": lambda: chooser._draw_rows(probs),
         "4 siblings, torch.multinomial": lambda: [torch.multinomial(row, 4, generator=generator) for row in probs],
-        "4 siblings, Gumbel-top-k (sdsat)": lambda: chooser.draw_ranked(probs, 4),
+        "4 siblings, inverse CDF (sdsat)": lambda: chooser.draw_ranked(probs, 4),
     }
     times = {name: [] for name in ways}
     for _ in range(repeats):
