@@ -32,20 +32,33 @@ FASTEST = "speed-up vs fastest vanilla (median)"  # suites that ran vanilla in e
 
 # folder (relative to assets/bench) -> (file-name prefix, title); the current suites first
 OLDER = " (older: float32 vanilla, before auto)"
-STAGE1, STAGE2 = " (the stage-1 adapter)", " (the stage-2 adapter)"
-SUITES = {"stage3-humaneval-16-35": ("stage3-humaneval-16-35",
+STAGE1, STAGE2, STAGE3 = " (the stage-1 adapter)", " (the stage-2 adapter)", " (the stage-3 adapter)"
+SUITES = {"stage4-humaneval-16-35": ("stage4-humaneval-16-35",
                                      "HumanEval 16–35 (held out), auto against the fastest vanilla"),
+          "stage4-heldout-code": ("stage4-heldout-code", "Held-out code prompts, auto against the fastest vanilla"),
+          "stage4-sampling-humaneval-16-35-t07": ("stage4-sampling-humaneval-16-35-t07",
+                                                  "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, auto against "
+                                                  "the fastest vanilla and vanilla sampling"),
+          "stage4-sampling-heldout-chat-t07": ("stage4-sampling-heldout-chat-t07",
+                                               "Sampling at T=0.7, top-p 0.95: held-out chat prompts, auto against "
+                                               "the fastest vanilla and vanilla sampling"),
+          "stage4-sampling-humaneval-16-35-t1": ("stage4-sampling-humaneval-16-35-t1",
+                                                 "Sampling at T=1: HumanEval 16–35, auto against the fastest vanilla "
+                                                 "and vanilla sampling"),
+          "stage3-humaneval-16-35": ("stage3-humaneval-16-35",
+                                     "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE3),
           "stage3-heldout-code": ("stage3-heldout-code",
-                                  "Held-out code prompts, auto against the fastest vanilla"),
-          "stage3-chat-16": ("stage3-chat-16", "Chat prompts, all 16, auto against the fastest vanilla"),
+                                  "Held-out code prompts, auto against the fastest vanilla" + STAGE3),
+          "stage3-chat-16": ("stage3-chat-16", "Chat prompts, all 16, auto against the fastest vanilla" + STAGE3),
           "stage3-sampling-humaneval-16-35-t07": ("stage3-sampling-humaneval-16-35-t07",
                                                   "Sampling at T=0.7, top-p 0.95: HumanEval 16–35, auto against "
-                                                  "vanilla sampling"),
+                                                  "vanilla sampling" + STAGE3),
           "stage3-sampling-heldout-chat-t07": ("stage3-sampling-heldout-chat-t07",
                                                "Sampling at T=0.7, top-p 0.95: held-out chat prompts, auto against "
-                                               "vanilla sampling"),
+                                               "vanilla sampling" + STAGE3),
           "stage3-sampling-humaneval-16-35-t1": ("stage3-sampling-humaneval-16-35-t1",
-                                                 "Sampling at T=1: HumanEval 16–35, auto against vanilla sampling"),
+                                                 "Sampling at T=1: HumanEval 16–35, auto against vanilla sampling"
+                                                 + STAGE3),
           "stage2-humaneval-16-35": ("stage2-humaneval-16-35",
                                      "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE2),
           "stage2-heldout-code": ("stage2-heldout-code",
