@@ -295,7 +295,7 @@ def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):
 
 
 def test_race_with_a_draft_tree_stays_identical_and_names_runner_ups(page):
-    outs = list(page.race(**(GOOD | dict(prompt="class Point:\n", k=3, max_new_tokens=24, tree_candidates=2)),
+    outs = list(page.race(**(GOOD | dict(prompt="def fibonacci(n):\n", k=3, max_new_tokens=24, tree_candidates=2)),
                           show_rejected=True))
     final = dict(zip(RACE_OUTPUTS, outs[-1]))
     data, record = final["run_data"], final["record"]
