@@ -155,21 +155,14 @@ class TokenChooser:
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(N, V) logits -> (tokens (N,), their probabilities (N,)); greedy or sampled."""
         probs = self.probs(logits)
-        if self.config.do_sample:
-            tokens = self._draw_rows(probs)
-        else:
-            tokens = probs.argmax(-1)
+        tokens = self.draw(probs)
         return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
 
     def draw(self, q: torch.Tensor) -> torch.Tensor:
-        """(k, V) draft distributions -> (k,) drafts: sampled when sampling, else each row's top token."""
+        """(N, V) distributions -> (N,) one token per row: drawn (`inverse_cdf`) when sampling, else the top one."""
         if self.config.do_sample:
-            return self._draw_rows(q)
+            return inverse_cdf(q, self._uniform(len(q))).to(q.device)
         return q.argmax(-1)
-
-    def _draw_rows(self, probs: torch.Tensor) -> torch.Tensor:
-        """(N, V) distributions -> (N,) one token drawn from each row (`inverse_cdf`)."""
-        return inverse_cdf(probs, self._uniform(len(probs))).to(probs.device)
 
     def _uniform(self, n: int) -> torch.Tensor:
         """(n,) float64 numbers uniform in [0, 1), from this request's generator."""
@@ -237,7 +230,7 @@ class TokenChooser:
 
     def sample(self, p: torch.Tensor) -> int:
         """One token drawn from the distribution p (V,)."""
-        return int(self._draw_rows(p[None])[0])
+        return int(self.draw(p[None])[0])
 
     def accept(self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int, list[AcceptTest]]:
         """Verify a chain of drafts against the model; returns (accepted drafts, the model's next token, the

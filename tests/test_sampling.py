@@ -214,7 +214,7 @@ def test_a_drawn_token_follows_its_row_and_never_lands_where_there_is_no_mass():
     chooser = TokenChooser(SamplingConfig(do_sample=True, seed=0), torch.device("cpu"))
     p = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0], [0.5, 0.0, 0.0, 0.0, 0.0, 0.5]])
     draws = 20000
-    tokens = torch.stack([chooser._draw_rows(p) for _ in range(draws)])  # (draws, 2)
+    tokens = torch.stack([chooser.draw(p) for _ in range(draws)])  # (draws, 2)
     for row in range(len(p)):
         counts = np.bincount(tokens[:, row].numpy(), minlength=p.shape[1])
         assert counts[p[row].numpy() == 0].sum() == 0

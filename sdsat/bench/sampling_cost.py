@@ -31,7 +31,7 @@ def measure(logits: torch.Tensor, top_p: float, repeats: int, seed: int = 0) -> 
         "top-p, transformers' warper": lambda: TopPLogitsWarper(top_p)(None, logits.clone()),
         "top-p, partial sort (sdsat)": lambda: PartialSortTopP(top_p)(None, logits.clone()),
         "draw, torch.multinomial": lambda: torch.multinomial(probs, 1, generator=generator),
-        "draw, inverse CDF (sdsat)": lambda: chooser._draw_rows(probs),
+        "draw, inverse CDF (sdsat)": lambda: chooser.draw(probs),
         "4 siblings, torch.multinomial": lambda: [torch.multinomial(row, 4, generator=generator) for row in probs],
         "4 siblings, inverse CDF (sdsat)": lambda: chooser.draw_ranked(probs, 4),
     }
