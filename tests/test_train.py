@@ -411,6 +411,41 @@ def test_a_run_started_from_a_trained_adapter_starts_where_that_one_ended(tmp_pa
               model=model, tokenizer=real_tokenizer, **data)
 
 
+def test_a_run_may_start_from_a_trained_adapter_of_lower_rank_at_the_same_scale(tmp_path, real_tokenizer):
+    """--init-from with a larger --rank (issue 24's capacity lever): the trained directions fill the first ranks
+    and the new ones start at B = 0, so the SAT logits are the trained adapter's to the last bit; training then
+    moves the new directions. A scale alpha / rank that changed is refused, naming the alpha that keeps it."""
+    torch.manual_seed(0)
+    model = make_tiny_llama(vocab_size=VOCAB)
+    data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
+    train(tiny_adapter_config(tmp_path / "first", steps=4), model=model, tokenizer=real_tokenizer, **data)
+    first = tmp_path / "first" / "sats"
+    ids, slots = torch.tensor([[5, 9, 3, 7, 0, 0]]), torch.tensor([[-1, -1, -1, -1, 0, 1]])
+
+    def sat_logits(sat_model):
+        with torch.no_grad():
+            return sat_model.forward(ids, slots)[:, -2:]
+
+    small = SatModel(model, SatSpec(kind="adapter", max_k=2), SatAdapter.load(first))
+    want = sat_logits(small)
+    small.adapter.detach()
+    grown, _ = prepare(tiny_adapter_config(tmp_path / "grown", rank=8, alpha=16.0, init_from=str(first)),
+                       model, real_tokenizer)
+    assert grown.adapter.config.rank == 8 and all(b.shape[0] == 8 for b in grown.adapter.lora_b.values())
+    assert all(torch.count_nonzero(b[4:]) == 0 for b in grown.adapter.lora_b.values())
+    assert torch.equal(sat_logits(grown), want)
+    grown.adapter.detach()
+
+    train(tiny_adapter_config(tmp_path / "grown", steps=3, rank=8, alpha=16.0, init_from=str(first)),
+          model=model, tokenizer=real_tokenizer, **data)
+    trained = SatAdapter.load(tmp_path / "grown" / "sats")
+    assert all(torch.count_nonzero(b[4:]) > 0 for b in trained.lora_b.values())
+
+    with pytest.raises(ValueError, match=r"the rank grows from 4 to 8, so alpha must grow with it to 16 "
+                                         r"\(alpha / rank stays 2\); got --alpha 8"):
+        prepare(tiny_adapter_config(tmp_path / "other", rank=8, alpha=8.0, init_from=str(first)), model, real_tokenizer)
+
+
 def test_corpus_modes_choose_which_decodings_are_trained_on(tmp_path, real_tokenizer):
     import gzip
     import json

@@ -283,25 +283,46 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
 
 
 def warm_start(adapter: SatAdapter, folder: Path) -> None:
-    """Copy a trained adapter's weights into `adapter`, which must have its shape (a checkpoint resumed later
-    overrides them, as it should)."""
+    """Copy a trained adapter's weights into `adapter`, which must have its shape, or a larger LoRA rank at the
+    same scale alpha / rank: the trained directions fill the first ranks and the new ones start with B = 0, so
+    the run starts from exactly the trained adapter's function with room to grow. (A checkpoint resumed later
+    overrides all of it, as it should.)"""
     trained = SatAdapter.load(folder)
     for name in ("hidden_size", "num_layers"):
         if getattr(adapter.config, name) != getattr(trained.config, name):
             raise ValueError(f"init_from {folder}: it was trained for base model {trained.config.base_model!r} "
                              f"({name} {getattr(trained.config, name)}), not this one; pass that --model")
+    grows = trained.config.rank < adapter.config.rank and trained.config.rank > 0
+    if grows and trained.scale != adapter.scale:
+        raise ValueError(f"init_from {folder}: the rank grows from {trained.config.rank} to {adapter.config.rank}, "
+                         f"so alpha must grow with it to {trained.scale * adapter.config.rank:g} (alpha / rank stays "
+                         f"{trained.scale:g}); got --alpha {adapter.config.alpha:g}")
     for name in ("num_sats", "rank", "alpha", "target_modules", "layers", "inject_layer"):
         mine, theirs = getattr(adapter.config, name), getattr(trained.config, name)
+        if grows and name in ("rank", "alpha"):
+            continue
         if (sorted(mine) != sorted(theirs)) if name == "target_modules" else mine != theirs:
             raise ValueError(f"init_from {folder}: its {name} is {theirs!r}, this run's is {mine!r}; "
                              f"train with --{name.replace('_', '-')} to match")
     ours, theirs = adapter.state_dict(), trained.state_dict()
+    rank = trained.config.rank
     for name, tensor in ours.items():
-        if name not in theirs or theirs[name].shape != tensor.shape:
-            have = tuple(theirs[name].shape) if name in theirs else "missing"
-            raise ValueError(f"init_from {folder}: its {name} does not fit this model ({have}, need "
-                             f"{tuple(tensor.shape)})")
-    adapter.load_state_dict(theirs)  # same names and shapes, checked above
+        have = theirs.get(name)
+        fits = have is not None and (have.shape == tensor.shape or grows and (
+            name.startswith("lora_a.") and have.shape == (tensor.shape[0], rank)
+            or name.startswith("lora_b.") and have.shape == (rank, tensor.shape[1])))
+        if not fits:
+            raise ValueError(f"init_from {folder}: its {name} does not fit this model "
+                             f"({tuple(have.shape) if have is not None else 'missing'}, need {tuple(tensor.shape)})")
+    with torch.no_grad():
+        for name, tensor in ours.items():  # views of the adapter's parameters: same names, checked above
+            if name.startswith("lora_a."):
+                tensor[:, :rank] = theirs[name]
+            elif name.startswith("lora_b."):
+                tensor.zero_()
+                tensor[:rank] = theirs[name]
+            else:
+                tensor.copy_(theirs[name])
 
 
 def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None = None, progress: bool = True) -> dict:
