@@ -304,25 +304,29 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
         if (sorted(mine) != sorted(theirs)) if name == "target_modules" else mine != theirs:
             raise ValueError(f"init_from {folder}: its {name} is {theirs!r}, this run's is {mine!r}; "
                              f"train with --{name.replace('_', '-')} to match")
-    ours, theirs = adapter.state_dict(), trained.state_dict()
+    ours, theirs = adapter.state_dict(), trained.state_dict()  # ours: views of the adapter's parameters
     rank = trained.config.rank
-    for name, tensor in ours.items():
+    slots = {name: _first_ranks(name, tensor, rank) for name, tensor in ours.items()}
+    for name, slot in slots.items():
         have = theirs.get(name)
-        fits = have is not None and (have.shape == tensor.shape or grows and (
-            name.startswith("lora_a.") and have.shape == (tensor.shape[0], rank)
-            or name.startswith("lora_b.") and have.shape == (rank, tensor.shape[1])))
-        if not fits:
+        if have is None or have.shape != slot.shape:
             raise ValueError(f"init_from {folder}: its {name} does not fit this model "
-                             f"({tuple(have.shape) if have is not None else 'missing'}, need {tuple(tensor.shape)})")
+                             f"({tuple(have.shape) if have is not None else 'missing'}, need {tuple(slot.shape)})")
     with torch.no_grad():
-        for name, tensor in ours.items():  # views of the adapter's parameters: same names, checked above
-            if name.startswith("lora_a."):
-                tensor[:, :rank] = theirs[name]
-            elif name.startswith("lora_b."):
-                tensor.zero_()
-                tensor[:rank] = theirs[name]
-            else:
-                tensor.copy_(theirs[name])
+        for name, slot in slots.items():
+            if name.startswith("lora_b."):
+                ours[name].zero_()  # the grown ranks add nothing until trained
+            slot.copy_(theirs[name])
+
+
+def _first_ranks(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """The part of an adapter tensor that a trained one of LoRA rank `rank` fills: the first ranks of a LoRA
+    factor (all of it when the ranks are equal), or the whole tensor."""
+    if name.startswith("lora_a."):
+        return tensor[:, :rank]
+    if name.startswith("lora_b."):
+        return tensor[:rank]
+    return tensor
 
 
 def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None = None, progress: bool = True) -> dict:
