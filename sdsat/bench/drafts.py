@@ -117,6 +117,21 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
     return results
 
 
+def sampling_settings(values: list[str]) -> list[tuple[float, float]]:
+    """`--sampled` values "T,TOP_P" -> [(temperature, top_p)]; a bad one is a ValueError naming it."""
+    from ..sampling import SamplingConfig
+
+    settings = []
+    for setting in values:
+        try:
+            temperature, top_p = (float(x) for x in setting.split(","))
+        except ValueError:
+            raise ValueError(f"sampled must be T,TOP_P pairs such as 0.7,0.95; got {setting!r}") from None
+        SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p).validate()  # names a bad value
+        settings.append((temperature, top_p))
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..cli import guarded
 
@@ -145,16 +160,7 @@ def _main(argv: list[str] | None) -> int:
         if value < low:
             raise ValueError(f"{name} must be at least {low}" + (" (more than k)" if name != "k" else "")
                              + f", got {value}")
-    sampled = []
-    for setting in args.sampled:
-        try:
-            temperature, top_p = (float(x) for x in setting.split(","))
-        except ValueError:
-            raise ValueError(f"sampled must be T,TOP_P pairs such as 0.7,0.95; got {setting!r}") from None
-        from ..sampling import SamplingConfig
-
-        SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p).validate()  # names a bad value
-        sampled.append((temperature, top_p))
+    sampled = sampling_settings(args.sampled)
     adapters = [Path(a) for a in args.adapters]
     for folder in adapters:
         if not (folder / "adapter_config.json").is_file():

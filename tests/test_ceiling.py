@@ -1,0 +1,66 @@
+"""The bound on a sampled draft that cannot see the pass's own token (`python -m sdsat.bench.ceiling`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_llama
+from transformers import DynamicCache
+
+from sdsat.bench.ceiling import blind_rates, candidate_distributions, candidates_of, measure_prompt
+from sdsat.sampling import SamplingConfig, TokenChooser
+from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+
+
+def sampler(temperature: float, seed: int = 0) -> TokenChooser:
+    return TokenChooser(SamplingConfig(do_sample=True, temperature=temperature, seed=seed), torch.device("cpu"))
+
+
+def test_candidates_continue_as_if_each_were_decoded_alone():
+    model = make_tiny_llama(seed=3)
+    sat_model, chooser, prompt = SatModel(model, SatSpec(kind="vocab", sat_ids=[2])), sampler(1.0), [0, 5, 9, 12, 4]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        sat_model.forward(torch.tensor([prompt]), cache=cache)
+        together = candidate_distributions(sat_model, chooser, cache, torch.tensor([7, 3, 30]))
+        assert cache.get_seq_length() == len(prompt)  # the candidates left the cache
+        for row, candidate in zip(together, (7, 3, 30)):
+            alone = chooser.probs(sat_model.forward(torch.tensor([prompt + [candidate]]))[0, -1:])[0]
+            torch.testing.assert_close(row, alone, atol=1e-6, rtol=1e-5)
+
+
+def test_the_rates_of_drafts_blind_to_the_token_before_them():
+    # Two equally likely tokens t, each followed by a certain, different token: a draft that cannot see t
+    # passes at most half the time however it is chosen; one that guesses the likelier t, as greedy text
+    # teaches, passes whenever t is that one.
+    after = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    rates = blind_rates(after, torch.tensor([0.6, 0.4]), {"second": torch.tensor([0.0, 1.0, 0.0])})
+    assert rates == pytest.approx({"marginal": 0.6 * 0.6 + 0.4 * 0.4, "greedy": 0.6, "second": 0.4})
+    # A certain t: the bound is 1.
+    assert blind_rates(after[:1], torch.tensor([1.0]), {}) == pytest.approx({"marginal": 1.0, "greedy": 1.0})
+
+
+def test_candidates_cover_the_mass_asked_for_without_the_excluded():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    tokens, weights, covered = candidates_of(p, 0.75, 8, exclude=[])
+    assert tokens.tolist() == [0, 1] and covered == pytest.approx(0.8)
+    torch.testing.assert_close(weights, torch.tensor([0.625, 0.375]))
+    tokens, _, covered = candidates_of(p, 0.99, 2, exclude=[0])
+    assert tokens.tolist() == [1, 2] and covered == pytest.approx(0.45)  # at most 2
+
+
+def test_along_a_decode_the_bounds_are_rates_and_near_one_when_t_is_nearly_certain():
+    model = make_tiny_llama(seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # decisive logits: at a low temperature every next token is all but certain
+    base = SatModel(model, SatSpec(kind="vocab", sat_ids=[2]))
+    config = AdapterConfig(base_model="tiny", hidden_size=32, num_layers=2, num_sats=1, rank=2)
+    adapters = {"sats": SatModel(model, SatSpec(kind="adapter", max_k=1), SatAdapter.for_model(model, config, 4))}
+    prompt = [0, 5, 9, 12, 4]
+    warm = measure_prompt(base, adapters, sampler(1.0), prompt, 12, eos_ids=[1], mass=0.99, most=16)
+    cold = measure_prompt(base, adapters, sampler(0.02), prompt, 12, eos_ids=[1], mass=0.99, most=16)
+    assert 0 < len(warm) <= 11 and len(cold) == 11  # a rate wherever the token after t is still output
+    for row in warm + cold:
+        assert all(0 <= row[c] <= 1 + 1e-6 for c in ("marginal", "greedy", "sats")) and 0 < row["covered"] <= 1
+    # Near T 0 the pass's own token is all but certain, and so is the token after it: the bound is 1.
+    assert min(r["marginal"] for r in cold) > 0.99 and min(r["greedy"] for r in cold) > 0.99
