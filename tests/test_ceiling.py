@@ -7,9 +7,12 @@ import torch
 from conftest import make_tiny_llama
 from transformers import DynamicCache
 
-from sdsat.bench.ceiling import blind_rates, candidate_distributions, candidates_of, measure_prompt
+from sdsat.bench.ceiling import (best_rate, blind_rates, candidate_distributions, candidates_of, measure_prompt,
+                                 sat_draft)
+from sdsat.drafters import DraftContext, draft_pass
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from sdsat.timing import Clock
 
 
 def sampler(temperature: float, seed: int = 0) -> TokenChooser:
@@ -35,9 +38,61 @@ def test_the_rates_of_drafts_blind_to_the_token_before_them():
     # teaches, passes whenever t is that one.
     after = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     rates = blind_rates(after, torch.tensor([0.6, 0.4]), {"second": torch.tensor([0.0, 1.0, 0.0])})
-    assert rates == pytest.approx({"marginal": 0.6 * 0.6 + 0.4 * 0.4, "greedy": 0.6, "second": 0.4})
+    assert rates == pytest.approx({"best": 0.6, "marginal": 0.6 * 0.6 + 0.4 * 0.4, "greedy": 0.6, "second": 0.4})
     # A certain t: the bound is 1.
-    assert blind_rates(after[:1], torch.tensor([1.0]), {}) == pytest.approx({"marginal": 1.0, "greedy": 1.0})
+    assert blind_rates(after[:1], torch.tensor([1.0]), {}) == pytest.approx(
+        {"best": 1.0, "marginal": 1.0, "greedy": 1.0})
+    # Neither the marginal nor the likeliest t's continuation is the best: here two less likely t agree.
+    after = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    rates = blind_rates(after, torch.tensor([0.4, 0.3, 0.3]), {})
+    assert rates == pytest.approx({"best": 0.6, "marginal": 0.4 * 0.4 + 0.6 * 0.6, "greedy": 0.4})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_best_rate_is_the_optimum_of_its_linear_program(seed):
+    from scipy.optimize import linprog
+
+    gen = torch.Generator().manual_seed(seed)
+    candidates, vocab = 4, 7
+    after = torch.softmax(torch.randn(candidates, vocab, generator=gen) * 3, -1).double()
+    weights = torch.softmax(torch.randn(candidates, generator=gen), -1).double()
+    # Variables: q (V), then m[c, x] <= min(after[c, x], q[x]); maximise sum_c w_c sum_x m[c, x].
+    cost = torch.cat([torch.zeros(vocab), -weights.repeat_interleave(vocab)]).numpy()
+    rows, bounds_m = [], []
+    for c in range(candidates):
+        for x in range(vocab):
+            row = torch.zeros(vocab + candidates * vocab)
+            row[c * vocab + vocab + x], row[x] = 1, -1  # m[c, x] - q[x] <= 0
+            rows.append(row)
+            bounds_m.append((0, float(after[c, x])))
+    total = torch.cat([torch.ones(vocab), torch.zeros(candidates * vocab)])[None].numpy()
+    result = linprog(cost, A_ub=torch.stack(rows).numpy(), b_ub=torch.zeros(len(rows)).numpy(), A_eq=total,
+                     b_eq=[1.0], bounds=[(0, 1)] * vocab + bounds_m)
+    assert result.status == 0
+    best = best_rate(after.float(), weights.float())
+    assert best == pytest.approx(-result.fun, abs=1e-5)
+    rates = blind_rates(after.float(), weights.float(), {})
+    assert best >= max(rates["marginal"], rates["greedy"]) - 1e-6
+
+
+def test_the_sat_draft_is_the_decoders_own():
+    model = make_tiny_llama(seed=4)
+    config = AdapterConfig(base_model="tiny", hidden_size=32, num_layers=2, num_sats=2, rank=2)
+    adapter = SatAdapter.for_model(model, config, 4)
+    with torch.no_grad():
+        for b in adapter.lora_b.values():
+            b.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    sat_model, chooser = SatModel(model, SatSpec(kind="adapter", max_k=2), adapter), sampler(0.8)
+    prompt = [0, 5, 9, 12, 4]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        sat_model.forward(torch.tensor([prompt[:-1]]), cache=cache)
+        ours = sat_draft(sat_model, chooser, cache, prompt[-1])
+        assert cache.get_seq_length() == len(prompt) - 1  # the draft pass left nothing behind
+        context = DraftContext(sat_model, chooser, cache, [prompt[-1]], prompt, room=8, clock=Clock(sat_model.device))
+        _, _, q, _ = draft_pass(context, 1)
+    torch.testing.assert_close(ours, q[0])
+    assert not torch.allclose(ours, chooser.probs(sat_model.forward(torch.tensor([prompt]))[0, -1:])[0])
 
 
 def test_candidates_cover_the_mass_asked_for_without_the_excluded():
@@ -61,6 +116,8 @@ def test_along_a_decode_the_bounds_are_rates_and_near_one_when_t_is_nearly_certa
     cold = measure_prompt(base, adapters, sampler(0.02), prompt, 12, eos_ids=[1], mass=0.99, most=16)
     assert 0 < len(warm) <= 11 and len(cold) == 11  # a rate wherever the token after t is still output
     for row in warm + cold:
-        assert all(0 <= row[c] <= 1 + 1e-6 for c in ("marginal", "greedy", "sats")) and 0 < row["covered"] <= 1
+        assert all(0 <= row[c] <= 1 + 1e-6 for c in ("best", "marginal", "greedy", "sats")) and 0 < row["covered"] <= 1
+        assert row["best"] >= max(row["marginal"], row["greedy"], row["sats"]) - 1e-5
     # Near T 0 the pass's own token is all but certain, and so is the token after it: the bound is 1.
     assert min(r["marginal"] for r in cold) > 0.99 and min(r["greedy"] for r in cold) > 0.99
+    assert min(r["best"] for r in cold) > 0.99

@@ -10,15 +10,16 @@ Under sampling, the accept test of SAT 1's draft, with q its (warped) distributi
 and no q that depends on h alone can make this 1 while t is uncertain. Along vanilla's sampled output,
 at every position this tool computes exactly, over the candidates t that cover `--mass` of p(t | h):
 
+- `best`: the largest a(q) of any q (`best_rate`), the most a SAT 1 that cannot see t could pass;
 - `marginal`: a(q) for q = sum_t p(t | h) p(x | h, t), the distribution of the token after t given h
   alone: what a SAT trained to convergence on the model's own sampled text predicts;
 - `greedy`: a(q) for q = p(x | h, argmax t): what a SAT trained to convergence on greedy text predicts;
-- for each adapter given, a(q) with q its SAT 1: the same quantity `python -m sdsat.bench.drafts` reports
-  as the pass rate of SAT 1 (there along the t that was drawn, here averaged over t).
+- for each adapter given, a(q) with q its SAT 1: what `python -m sdsat.bench.drafts` reports as SAT 1's pass
+  rate, there along the t that was drawn and over the positions with k drafts left, here averaged over t.
 
 The candidate continuations run as one block over the KV cache, each candidate seeing the history and
-itself (`candidate_distributions`). The gap between an adapter and the `marginal` column is what training
-can still win; the gap between `marginal` and 1 belongs to drafts that do not see t, at any scale of data.
+itself (`candidate_distributions`). The gap between an adapter and `best` is what training could still
+win; the gap between `best` and 1 belongs to drafts that do not see t, at any scale of data.
 """
 
 from __future__ import annotations
@@ -48,15 +49,40 @@ def candidate_distributions(sat_model, chooser, cache, candidates: torch.Tensor)
 
 def blind_rates(after: torch.Tensor, weights: torch.Tensor,
                 sat_q: dict[str, torch.Tensor]) -> dict[str, float]:
-    """a(q) for the marginal, the greedy and each SAT's q, from the candidates' weights (C,) (summing to 1)
-    and the distributions after each candidate (C, V), the candidates in descending p(t | h)."""
+    """a(q) at its maximum over q ("best"), and at the marginal, the greedy and each SAT's q, from the
+    candidates' weights (C,) (summing to 1) and the distributions after each candidate (C, V), the candidates
+    in descending p(t | h)."""
     marginal = weights @ after
-    greedy = after[0]  # the argmax candidate
+    greedy = after[0]  # the likeliest candidate (EOS is never one)
 
     def rate(q: torch.Tensor) -> float:
         return float(weights @ torch.minimum(after, q[None]).sum(-1))
 
-    return {"marginal": rate(marginal), "greedy": rate(greedy)} | {name: rate(q) for name, q in sat_q.items()}
+    return ({"best": best_rate(after, weights), "marginal": rate(marginal), "greedy": rate(greedy)}
+            | {name: rate(q) for name, q in sat_q.items()})
+
+
+def best_rate(after: torch.Tensor, weights: torch.Tensor, keep: int = 4096) -> float:
+    """max over distributions q of a(q) = sum_x sum_c w_c min(after[c, x], q(x)).
+
+    Each token's term is concave and piecewise linear in q(x): between the c-th and (c+1)-th smallest of
+    after[:, x] its slope is the weight of the candidates above. So the best q fills its unit of mass into
+    these pieces, steepest first, over all tokens. Only the `keep` tokens likeliest under some candidate are
+    filled; the others could add at most their marginal mass, which under any warp is negligible.
+    """
+    top = after.max(0).values
+    tokens = torch.topk(top, min(keep, int((top > 0).sum()))).indices
+    values, order = after[:, tokens].double().sort(0)  # (C, K) ascending per token
+    slopes = weights.double()[order].flip(0).cumsum(0).flip(0)  # weight of the candidates at or above each piece
+    lengths = values - torch.cat([torch.zeros_like(values[:1]), values[:-1]])
+    slopes, by_slope = slopes.flatten().sort(descending=True)
+    lengths = lengths.flatten()[by_slope]
+    filled = lengths.cumsum(0)
+    full = int(torch.searchsorted(filled, torch.tensor(1.0, dtype=filled.dtype)))  # pieces filled whole
+    value = float((slopes[:full] * lengths[:full]).sum())
+    if full < len(lengths):  # the last piece, filled in part
+        value += float(slopes[full] * (1 - (filled[full - 1] if full else 0)))
+    return value
 
 
 def candidates_of(p_t: torch.Tensor, mass: float, most: int,
@@ -71,12 +97,22 @@ def candidates_of(p_t: torch.Tensor, mass: float, most: int,
     return tokens, weights / weights.sum(), float(weights.sum())
 
 
+def sat_draft(sat_model, chooser, cache, pending: int) -> torch.Tensor:
+    """SAT 1's warped distribution (V,) from the draft pass [pending, SAT 1] over the cache; the cache is left
+    as it was."""
+    from ..kvcache import rollback
+
+    base, device = cache.get_seq_length(), sat_model.device
+    slots = torch.cat([torch.tensor([-1], device=device), sat_model.sat_block(1)])[None]
+    logits = sat_model.forward(torch.tensor([[pending, 0]], device=device), slots, cache=cache)[0]
+    rollback(cache, base)
+    return chooser.probs(logits[1:])[0]
+
+
 def measure_prompt(sat_model, adapters: dict[str, object], chooser, prompt_ids: list[int], max_new_tokens: int,
                    eos_ids: list[int], mass: float, most: int) -> list[dict[str, float]]:
     """Rates at every position of one sampled decode whose next two tokens could both be output."""
     from transformers import DynamicCache
-
-    from ..kvcache import rollback
 
     cache, rows = DynamicCache(config=sat_model.model.config), []
     device = sat_model.device
@@ -85,13 +121,7 @@ def measure_prompt(sat_model, adapters: dict[str, object], chooser, prompt_ids: 
             sat_model.forward(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, logits_to_keep=1)
         pending = prompt_ids[-1]
         for n in range(max_new_tokens):
-            base = cache.get_seq_length()
-            sat_q = {}
-            for name, model in adapters.items():  # a draft pass [pending, SAT 1]: SAT 1's q
-                logits = model.forward(torch.tensor([[pending, 0]], device=device),
-                                       torch.tensor([[-1, 0]], device=device), cache=cache)[0]
-                rollback(cache, base)
-                sat_q[name] = chooser.probs(logits[1:])[0]
+            sat_q = {name: sat_draft(model, chooser, cache, pending) for name, model in adapters.items()}
             p_t = chooser.probs(sat_model.forward(torch.tensor([[pending]], device=device), cache=cache)[0, -1:])[0]
             if n + 1 < max_new_tokens:
                 tokens, weights, covered = candidates_of(p_t, mass, most, eos_ids)
