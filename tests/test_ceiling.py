@@ -75,6 +75,14 @@ def test_the_best_rate_is_the_optimum_of_its_linear_program(seed):
     assert best >= max(rates["marginal"], rates["greedy"]) - 1e-6
 
 
+def test_the_best_rate_when_the_candidates_leave_less_than_a_unit_to_fill():
+    # Every candidate is followed by token 0 for sure: the pieces total 1 exactly, and q = e0 passes always.
+    assert best_rate(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), torch.tensor([0.5, 0.5])) == pytest.approx(1.0)
+    # Sub-normalised rows (mass cut off) leave less than a unit of pieces: the rest of q is worth nothing.
+    after, weights = torch.tensor([[0.3, 0.0], [0.0, 0.2]]), torch.tensor([0.5, 0.5])
+    assert best_rate(after, weights) == pytest.approx(0.5 * 0.3 + 0.5 * 0.2)
+
+
 def test_the_sat_draft_is_the_decoders_own():
     model = make_tiny_llama(seed=4)
     config = AdapterConfig(base_model="tiny", hidden_size=32, num_layers=2, num_sats=2, rank=2)

@@ -62,23 +62,21 @@ def blind_rates(after: torch.Tensor, weights: torch.Tensor,
             | {name: rate(q) for name, q in sat_q.items()})
 
 
-def best_rate(after: torch.Tensor, weights: torch.Tensor, keep: int = 4096) -> float:
+def best_rate(after: torch.Tensor, weights: torch.Tensor) -> float:
     """max over distributions q of a(q) = sum_x sum_c w_c min(after[c, x], q(x)).
 
     Each token's term is concave and piecewise linear in q(x): between the c-th and (c+1)-th smallest of
     after[:, x] its slope is the weight of the candidates above. So the best q fills its unit of mass into
-    these pieces, steepest first, over all tokens. Only the `keep` tokens likeliest under some candidate are
-    filled; the others could add at most their marginal mass, which under any warp is negligible.
+    these pieces, steepest first, over all tokens (those no candidate can follow with have no pieces).
     """
-    top = after.max(0).values
-    tokens = torch.topk(top, min(keep, int((top > 0).sum()))).indices
+    tokens = (after.max(0).values > 0).nonzero().squeeze(-1)
     values, order = after[:, tokens].double().sort(0)  # (C, K) ascending per token
     slopes = weights.double()[order].flip(0).cumsum(0).flip(0)  # weight of the candidates at or above each piece
     lengths = values - torch.cat([torch.zeros_like(values[:1]), values[:-1]])
     slopes, by_slope = slopes.flatten().sort(descending=True)
     lengths = lengths.flatten()[by_slope]
     filled = lengths.cumsum(0)
-    full = int(torch.searchsorted(filled, torch.tensor(1.0, dtype=filled.dtype)))  # pieces filled whole
+    full = int((filled < 1).sum())  # pieces filled whole (the running total is non-decreasing)
     value = float((slopes[:full] * lengths[:full]).sum())
     if full < len(lengths):  # the last piece, filled in part
         value += float(slopes[full] * (1 - (filled[full - 1] if full else 0)))
