@@ -94,6 +94,13 @@ class AdapterConfig:
     inject_layer: int = 0  # the SAT embeddings enter here: 0 is the input; above 0 they are added to the
     # residual stream entering that decoder layer, SAT rows start from a fixed token embedding, and
     # training backpropagates through the layers from inject_layer up only (less work per step)
+    per_position: bool = False  # each SAT position j gets low-rank updates of its own (columns j*rank.. of A,
+    # rows j*rank.. of B) instead of sharing one pair: num_sats times the room for the same work per row
+
+    @property
+    def lora_width(self) -> int:
+        """Columns of each A (rows of each B): the rank, times num_sats when every position has its own."""
+        return self.rank * (self.num_sats if self.per_position else 1)
 
 
 class SatAdapter(nn.Module):
@@ -120,6 +127,7 @@ class SatAdapter(nn.Module):
         self._passes = 0  # passes with SAT rows running now (threads may share the model)
         self._lock = threading.Lock()
         self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # see _sat_input
+        self._last_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # see _position_mask
         self._scaled_b: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}  # see _scaled
 
     @property
@@ -140,9 +148,9 @@ class SatAdapter(nn.Module):
         if config.rank > 0:
             gen = torch.Generator().manual_seed(0)
             for key, linear in _target_linears(model, config):
-                a = torch.randn(linear.in_features, config.rank, generator=gen) / math.sqrt(linear.in_features)
+                a = torch.randn(linear.in_features, config.lora_width, generator=gen) / math.sqrt(linear.in_features)
                 adapter.lora_a[key] = nn.Parameter(a)
-                adapter.lora_b[key] = nn.Parameter(torch.zeros(config.rank, linear.out_features))
+                adapter.lora_b[key] = nn.Parameter(torch.zeros(config.lora_width, linear.out_features))
         return adapter
 
     def copy(self) -> "SatAdapter":
@@ -165,7 +173,8 @@ class SatAdapter(nn.Module):
         for key, linear in _target_linears(model, self.config):
             if key not in self.lora_a:
                 raise ValueError(f"SAT adapter has no weights for {key}; it was saved for another layout")
-            want = [(linear.in_features, self.config.rank), (self.config.rank, linear.out_features)]
+            width = self.config.lora_width
+            want = [(linear.in_features, width), (width, linear.out_features)]
             have = [tuple(self.lora_a[key].shape), tuple(self.lora_b[key].shape)]
             if have != want:
                 raise ValueError(f"SAT adapter weights for {key} have shapes {have[0]} and {have[1]}, but this model "
@@ -214,7 +223,7 @@ class SatAdapter(nn.Module):
             if self._passes:
                 raise RuntimeError("the SAT adapter cannot be detached while a pass with SAT rows runs")
             self._hooks.clear()
-        self._last_input = None
+        self._last_input = self._last_mask = None
         self._scaled_b.clear()
 
     def _make_hook(self, key: str):
@@ -229,13 +238,18 @@ class SatAdapter(nn.Module):
                 # the SAT rows' input is cast once for the layers that share it (q/k/v, gate/up), the scale
                 # is folded into B, and the float32 update of a bfloat16 model is added without a cast.
                 low = self._sat_input(x, start, a.dtype) @ a
+                if self.config.per_position:
+                    low = low * self._position_mask(current[1], a.dtype)[0]
                 b = self._scaled(key, b)
                 if b.dtype == output.dtype:
                     output[0, start:].addmm_(low, b)
                 else:
                     output[0, start:] += low @ b
                 return output
-            return _add_to_tail(output, start, ((x[:, start:].to(a.dtype) @ a) @ b * self.scale).to(output.dtype))
+            low = x[:, start:].to(a.dtype) @ a
+            if self.config.per_position:
+                low = low * self._position_mask(current[1], a.dtype)
+            return _add_to_tail(output, start, (low @ b * self.scale).to(output.dtype))
 
         return hook
 
@@ -247,6 +261,17 @@ class SatAdapter(nn.Module):
         rows = x[0, start:].to(dtype)
         self._last_input = (x, start, rows)  # one tuple: a thread decoding beside this one sees old or new, whole
         return rows
+
+    def _position_mask(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B, T - n, num_sats * rank): 1 in the rank columns of each SAT row's own position, 0 elsewhere,
+        made once per pass (every hooked layer of the pass gets the same `slots` tensor)."""
+        kept = self._last_mask
+        if kept is not None and kept[0] is slots and kept[1].dtype == dtype:
+            return kept[1]
+        mask = nn.functional.one_hot(slots, self.config.num_sats).to(dtype)
+        mask = mask.repeat_interleave(self.config.rank, dim=-1)
+        self._last_mask = (slots, mask)  # one tuple, as in _sat_input
+        return mask
 
     def _scaled(self, key: str, b: torch.Tensor) -> torch.Tensor:
         """B times the LoRA scale, kept until B changes: another parameter, moved or converted (new storage),

@@ -19,10 +19,11 @@ from sdsat.train.trainer import TrainConfig, draft_acceptance, prepare, sat_logi
 VOCAB = 24
 
 
-def random_adapter_model(model, num_sats: int = 4, seed: int = 0, inject_layer: int = 0) -> SatModel:
+def random_adapter_model(model, num_sats: int = 4, seed: int = 0, inject_layer: int = 0,
+                         per_position: bool = False) -> SatModel:
     config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
                            num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4,
-                           inject_layer=inject_layer)
+                           inject_layer=inject_layer, per_position=per_position)
     adapter = SatAdapter.for_model(model, config, init_token_id=3)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -46,10 +47,10 @@ def test_layout_mask_lets_each_sat_see_its_prefix_and_earlier_sats_of_its_run():
         assert int(layout.target_positions[row]) == p + 1 + j and p + j + 2 <= n - 1
 
 
-@pytest.mark.parametrize("inject_layer", [0, 1])
-def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer):
+@pytest.mark.parametrize("inject_layer, per_position", [(0, False), (1, False), (1, True)])
+def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer, per_position):
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model, inject_layer=inject_layer)
+    sat_model = random_adapter_model(model, inject_layer=inject_layer, per_position=per_position)
     ids = torch.randint(2, 64, (2, 30), generator=torch.Generator().manual_seed(0))
     layout = sample_layout(30, runs=6, run_length=4, generator=torch.Generator().manual_seed(2))
     plain = model(input_ids=ids).logits
@@ -61,11 +62,11 @@ def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer):
     assert (sats_one - sats_cached).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("inject_layer", [0, 1])
-def test_sat_logits_in_training_equal_the_decoders_draft_step(inject_layer):
+@pytest.mark.parametrize("inject_layer, per_position", [(0, False), (1, False), (1, True)])
+def test_sat_logits_in_training_equal_the_decoders_draft_step(inject_layer, per_position):
     """The SAT j the trainer scores is the SAT j the decoder drafts with."""
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model, num_sats=4, inject_layer=inject_layer)
+    sat_model = random_adapter_model(model, num_sats=4, inject_layer=inject_layer, per_position=per_position)
     ids = torch.randint(2, 64, (1, 16), generator=torch.Generator().manual_seed(3))
     p = 9
     layout = SatLayout(n=16, anchor=torch.full((4,), p), slot=torch.arange(4), run=torch.zeros(4, dtype=torch.long))
@@ -444,6 +445,55 @@ def test_a_run_may_start_from_a_trained_adapter_of_lower_rank_at_the_same_scale(
     with pytest.raises(ValueError, match=r"the rank grows from 4 to 8, so alpha must grow with it to 16 "
                                          r"\(alpha / rank stays 2\); got --alpha 8"):
         prepare(tiny_adapter_config(tmp_path / "other", rank=8, alpha=8.0, init_from=str(first)), model, real_tokenizer)
+
+
+def test_a_run_may_split_a_shared_adapter_into_updates_per_sat_position(tmp_path, real_tokenizer):
+    """--per-position from a shared --init-from (issue 24's capacity lever): every position starts as a copy
+    of the shared updates, so the SAT logits are the trained adapter's; training then moves each position's own
+    block, and a block changes only its own SAT's logits. The split adapter saves and loads as it is."""
+    torch.manual_seed(0)
+    model = make_tiny_llama(vocab_size=VOCAB)
+    data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
+    train(tiny_adapter_config(tmp_path / "first", steps=4), model=model, tokenizer=real_tokenizer, **data)
+    first = tmp_path / "first" / "sats"
+    ids, slots = torch.tensor([[5, 9, 3, 7, 0, 0]]), torch.tensor([[-1, -1, -1, -1, 0, 1]])
+
+    def sat_logits(sat_model):
+        with torch.no_grad():
+            return sat_model.forward(ids, slots)[:, -2:]
+
+    shared = SatModel(model, SatSpec(kind="adapter", max_k=2), SatAdapter.load(first))
+    want = sat_logits(shared)
+    shared.adapter.detach()
+    split, _ = prepare(tiny_adapter_config(tmp_path / "split", per_position=True, init_from=str(first)),
+                       model, real_tokenizer)
+    assert all(b.shape[0] == 2 * 4 for b in split.adapter.lora_b.values())
+    assert torch.allclose(sat_logits(split), want, atol=1e-6)
+    split.adapter.detach()
+
+    train(tiny_adapter_config(tmp_path / "split", steps=3, per_position=True, init_from=str(first)),
+          model=model, tokenizer=real_tokenizer, **data)
+    trained = SatAdapter.load(tmp_path / "split" / "sats")
+    assert trained.config.per_position
+    assert all(not torch.equal(b[:4], b[4:]) for b in trained.lora_b.values()), "the positions' blocks move apart"
+    loaded = SatModel(model, SatSpec(kind="adapter", max_k=2), trained)
+    before = sat_logits(loaded)
+    with torch.no_grad():
+        for b in trained.lora_b.values():
+            b[4:] += 1.0  # SAT 2's block only
+    after = sat_logits(loaded)
+    assert torch.equal(after[:, 0], before[:, 0]) and not torch.allclose(after[:, 1], before[:, 1])
+    loaded.adapter.detach()
+
+    with pytest.raises(ValueError, match="it has LoRA updates per SAT position; train with --per-position"):
+        prepare(tiny_adapter_config(tmp_path / "back", init_from=str(tmp_path / "split" / "sats")),
+                model, real_tokenizer)
+    with pytest.raises(ValueError, match="grow the rank or split the updates per position, not both"):
+        prepare(tiny_adapter_config(tmp_path / "both", rank=8, alpha=16.0, per_position=True, init_from=str(first)),
+                model, real_tokenizer)
+    with pytest.raises(ValueError, match="holds a run with per_position False; this one has True"):
+        train(tiny_adapter_config(tmp_path / "first", steps=5, per_position=True), model=model,
+              tokenizer=real_tokenizer, **data)
 
 
 def test_corpus_modes_choose_which_decodings_are_trained_on(tmp_path, real_tokenizer):

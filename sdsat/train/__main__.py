@@ -28,6 +28,8 @@ _HELP = {
     "target_modules": "adapter: projection names that get SAT-only LoRA updates",
     "layers": "adapter: decoder layer indices with updates (None: --inject-layer and above)",
     "inject_layer": "adapter: decoder layer where the SAT embeddings enter; backprop stops there (0: input)",
+    "per_position": "adapter: each SAT position gets LoRA updates of its own, num_sats times the room (from a shared "
+                    "--init-from, each position starts as a copy of the shared updates)",
     "sat_token": "paper: the vocabulary token used as SAT (also the adapter's initial embedding)",
     "paper_lora_rank": "paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank",
     "target": "adapter: argmax (match the base model's token) or distribution (its full distribution)",
@@ -75,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
             named = f.name in ("target_modules", "corpus_modes")
             parser.add_argument(flag, nargs="+", type=str if named else int, default=default,
                                 metavar="NAME" if named else "N", help=_HELP.get(f.name))
+        elif hints[f.name] is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name))
         else:
             kind = {int: int, float: float, str: str}.get(hints[f.name], str)
             parser.add_argument(flag, type=kind, default=default, metavar=_METAVARS[kind], help=_HELP.get(f.name))

@@ -22,11 +22,12 @@ import random
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -56,6 +57,7 @@ class TrainConfig:
                                                                  "up_proj", "down_proj"])
     layers: list[int] | None = None  # adapter: decoder layers with updates; None for inject_layer and above
     inject_layer: int = 10  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
+    per_position: bool = False  # adapter: each SAT position gets LoRA updates of its own (num_sats times the room)
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
@@ -123,6 +125,8 @@ class TrainConfig:
                 self.mode != "adapter" or not (Path(self.init_from) / "adapter_config.json").is_file())):
             raise ValueError("init_from must be a folder holding a trained adapter (adapter_config.json), for mode "
                              f"adapter only; got {self.init_from!r}")
+        if not isinstance(self.per_position, bool):
+            raise ValueError(f"per_position must be true or false, got {self.per_position!r}")
         if self.layers is not None and (not isinstance(self.layers, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
             raise ValueError(f"layers must be a list of decoder layer numbers (0 or more), got {self.layers!r}")
@@ -257,7 +261,7 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
                                        num_layers=model.config.num_hidden_layers, num_sats=config.num_sats,
                                        rank=config.rank, alpha=config.alpha,
                                        target_modules=list(config.target_modules), layers=config.layers,
-                                       inject_layer=config.inject_layer)
+                                       inject_layer=config.inject_layer, per_position=config.per_position)
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
         sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
@@ -292,11 +296,18 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
         if getattr(adapter.config, name) != getattr(trained.config, name):
             raise ValueError(f"init_from {folder}: it was trained for base model {trained.config.base_model!r} "
                              f"({name} {getattr(trained.config, name)}), not this one; pass that --model")
+    splits = adapter.config.per_position and not trained.config.per_position  # shared -> one copy per position
+    if trained.config.per_position and not adapter.config.per_position:
+        raise ValueError(f"init_from {folder}: it has LoRA updates per SAT position; train with --per-position 1")
     grows = trained.config.rank < adapter.config.rank and trained.config.rank > 0
+    if splits and grows:
+        raise ValueError(f"init_from {folder}: grow the rank or split the updates per position, not both at once")
     if grows and trained.scale != adapter.scale:
         raise ValueError(f"init_from {folder}: the rank grows from {trained.config.rank} to {adapter.config.rank}, "
                          f"so alpha must grow with it to {trained.scale * adapter.config.rank:g} (alpha / rank stays "
                          f"{trained.scale:g}); got --alpha {adapter.config.alpha:g}")
+    if splits:
+        trained = _per_position(trained)
     for name in ("num_sats", "rank", "alpha", "target_modules", "layers", "inject_layer"):
         mine, theirs = getattr(adapter.config, name), getattr(trained.config, name)
         if grows and name in ("rank", "alpha"):
@@ -305,8 +316,8 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
             raise ValueError(f"init_from {folder}: its {name} is {theirs!r}, this run's is {mine!r}; "
                              f"train with --{name.replace('_', '-')} to match")
     ours, theirs = adapter.state_dict(), trained.state_dict()  # ours: views of the adapter's parameters
-    rank = trained.config.rank
-    slots = {name: _first_ranks(name, tensor, rank) for name, tensor in ours.items()}
+    width = trained.config.lora_width
+    slots = {name: _first_ranks(name, tensor, width) for name, tensor in ours.items()}
     for name, slot in slots.items():
         have = theirs.get(name)
         if have is None or have.shape != slot.shape:
@@ -317,6 +328,21 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
             if name.startswith("lora_b."):
                 ours[name].zero_()  # the grown ranks add nothing until trained
             slot.copy_(theirs[name])
+
+
+def _per_position(shared: SatAdapter) -> SatAdapter:
+    """The same function with one copy of the shared LoRA updates per SAT position (each SAT row's own block of
+    A's columns and B's rows reproduces the shared update exactly)."""
+    config = replace(shared.config, per_position=True)
+    split = SatAdapter(config)
+    K = config.num_sats
+    with torch.no_grad():
+        split.embeddings = nn.Parameter(shared.embeddings.detach().clone())
+        split.base_embedding.copy_(shared.base_embedding)
+        for key in shared.lora_a:
+            split.lora_a[key] = nn.Parameter(shared.lora_a[key].detach().repeat(1, K))
+            split.lora_b[key] = nn.Parameter(shared.lora_b[key].detach().repeat(K, 1))
+    return split
 
 
 def _first_ranks(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
@@ -522,6 +548,13 @@ def _trainable_state(sat_model: SatModel) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.named_parameters() if v.requires_grad}
 
 
+def _unresumable(path: Path, err: Exception) -> ValueError:
+    # A truncated or foreign file fails in torch (UnpicklingError, RuntimeError, EOFError...), one of
+    # another run in the restore (KeyError, shape errors): either way the run cannot go on from it.
+    return ValueError(f"checkpoint {path} cannot be resumed ({type(err).__name__}: "
+                      f"{' '.join(str(err).split())[:200]}); move it away to start the run over")
+
+
 def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts, record) -> tuple[int, float]:
     path = out / "checkpoint.pt"
     if not path.is_file():
@@ -530,7 +563,18 @@ def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts
         # weights_only: a run folder may come from elsewhere, and a full unpickler runs any code in it.
         # Everything _checkpoint saves (tensors, numbers, strings, lists, dicts) loads this way.
         state = torch.load(path, weights_only=True)
-        step, wall = int(state["step"]), float(state["wall_seconds"])
+        step, wall, previous = int(state["step"]), float(state["wall_seconds"]), state["record"]
+        before_config = dict(previous["config"])
+    except Exception as err:
+        raise _unresumable(path, err) from None
+    current = record["config"]
+    for name, default in (("init_from", ""), ("corpus_modes", list(CORPUS_MODES)), ("per_position", False)):
+        before = before_config.get(name, default)
+        if sorted(before) != sorted(current[name]) if name == "corpus_modes" else before != current[name]:
+            # another start, other text (whose held-out split differs) or other weights: not a continuation
+            raise ValueError(f"{out} holds a run with {name} {before!r}; this one has {current[name]!r}: "
+                             "use another --out")
+    try:
         module = sat_model.adapter if sat_model.adapter is not None else sat_model.model
         named = dict(module.named_parameters())
         with torch.no_grad():
@@ -540,19 +584,8 @@ def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts
         scheduler.load_state_dict(state["scheduler"])
         sampler.set_state(state["sampler"])
         layouts.set_state(state["layouts"])
-        previous = state["record"]
-    # A truncated or foreign file fails in torch (UnpicklingError, RuntimeError, EOFError...), one of
-    # another run in the restore (KeyError, shape errors): either way the run cannot go on from it.
     except Exception as err:
-        raise ValueError(f"checkpoint {path} cannot be resumed ({type(err).__name__}: "
-                         f"{' '.join(str(err).split())[:200]}); move it away to start the run over") from None
-    current = record["config"]
-    for name, default in (("init_from", ""), ("corpus_modes", list(CORPUS_MODES))):
-        before = previous["config"].get(name, default)
-        if sorted(before) != sorted(current[name]) if name == "corpus_modes" else before != current[name]:
-            # another start, or other text (whose held-out split differs): not a continuation of this run
-            raise ValueError(f"{out} holds a run with {name} {before!r}; this one has {current[name]!r}: "
-                             "use another --out")
+        raise _unresumable(path, err) from None
     record.update(previous)
     if record["config"] != current:  # resumed with other settings (say, more steps): keep both on record
         record.setdefault("resumes", []).append({"step": step, "previous_config": record["config"]})
