@@ -58,3 +58,23 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_the_acceptance_trace_of_chat_prompts_is_taken_under_the_chat_template(default_engine, tmp_path):
+    """`python -m sdsat.bench.acceptance --prompts FILE`: a chat prompt is decoded as the Chat tab decodes it,
+    so the trace the planner replays holds the chat-templated prompt and the output that follows it."""
+    from sdsat.bench import acceptance
+    from sdsat.config import DecodeConfig
+    from sdsat.planner import Trace
+
+    text = "Name two colours."
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": text, "kind": "chat"}) + "\n")
+    out = tmp_path / "trace.json"
+    assert acceptance.main(["--prompts", str(tmp_path / "chat.jsonl"), "--max-new-tokens", "6",
+                            "--out", str(out)]) == 0
+    trace = Trace.load(out)
+    (prompt,) = trace.prompts
+    assert prompt.prompt_ids == default_engine.encode(text, chat=True) != default_engine.encode(text)
+    want = default_engine.generate(text, DecodeConfig(method="vanilla", max_new_tokens=6), chat=True).token_ids
+    assert prompt.output_ids == want and len(prompt.ranks) == len(want)
+    assert "--prompts" in trace.source and len(trace.sampled) == len(acceptance.SAMPLED)

@@ -71,7 +71,7 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k:
                               tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS,
                               sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p,
                                                       top_k=top_k, seed=seed))
-        for step in engine.generate(prompt.text, config).steps:
+        for step in engine.generate(prompt.text, config, chat=prompt.kind == "chat").steps:
             if step.draft_source == "lookup":
                 for test in step.accept_tests:
                     tried["copy", test.depth] += 1
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdsat.bench.acceptance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--subset", default="148-163", help="HumanEval problems (default 148-163)")
+    parser.add_argument("--prompts", metavar="FILE",
+                        help="a prompt file (JSON lines, as the benchmark's) instead of HumanEval problems; chat "
+                             "prompts get the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                         help="tokens of vanilla output per prompt (default 128)")
     parser.add_argument("--model", default=None, metavar="ID_OR_DIR",
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import DecodeConfig
     from ..engine import Engine
     from ..models import DEFAULT_MODEL, LoadConfig
-    from .prompts import humaneval_prompts
+    from .prompts import file_prompts, humaneval_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,16 +131,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is needed for a model whose SATs are not an adapter folder")
     out = Path(args.out or Path(engine.sat_model.spec.adapter) / TRACE_FILE)
     depth = engine.max_k
-    prompts = humaneval_prompts(args.subset)
-    source = (f"HumanEval {args.subset}, {engine.name}, greedy, {args.max_new_tokens} new tokens: "
-              f"python -m sdsat.bench.acceptance --subset {args.subset} --max-new-tokens {args.max_new_tokens}")
+    prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.subset)
+    which, flag = (args.prompts, f"--prompts {args.prompts}") if args.prompts else (
+        f"HumanEval {args.subset}", f"--subset {args.subset}")
+    source = (f"{which}, {engine.name}, greedy, {args.max_new_tokens} new tokens: "
+              f"python -m sdsat.bench.acceptance {flag} --max-new-tokens {args.max_new_tokens}")
     if args.sampled_only:
         trace = Trace.load(out)
     else:
         traces = []
         for prompt in prompts:
-            ids = engine.encode(prompt.text)
-            result = engine.generate(prompt.text, DecodeConfig(method="vanilla", max_new_tokens=args.max_new_tokens))
+            chat = prompt.kind == "chat"
+            ids = engine.encode(prompt.text, chat=chat)
+            result = engine.generate(prompt.text, DecodeConfig(method="vanilla", max_new_tokens=args.max_new_tokens),
+                                     chat=chat)
             ranks = ranks_along(engine.sat_model, ids, result.token_ids, depth)
             traces.append(PromptTrace(ids, result.token_ids, ranks))
             print(f"{prompt.name}: {len(result.token_ids)} tokens", file=sys.stderr)
