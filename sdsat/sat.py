@@ -118,8 +118,8 @@ class SatAdapter(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = nn.Parameter(torch.zeros(config.num_sats, config.hidden_size))  # (K, H)
-        self.lora_a = nn.ParameterDict()  # "layer_module" -> (in, r)
-        self.lora_b = nn.ParameterDict()  # "layer_module" -> (r, out); zero-initialised
+        self.lora_a = nn.ParameterDict()  # "layer_module" -> (in, config.lora_width)
+        self.lora_b = nn.ParameterDict()  # "layer_module" -> (config.lora_width, out); zero-initialised
         # Input embedding of every SAT row when the SAT embeddings are injected higher up; fixed.
         self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
         self._hooks: list[tuple[nn.Module, object, bool]] = []  # (module, hook, is a pre-hook): see `hooked`
@@ -239,7 +239,7 @@ class SatAdapter(nn.Module):
                 # is folded into B, and the float32 update of a bfloat16 model is added without a cast.
                 low = self._sat_input(x, start, a.dtype) @ a
                 if self.config.per_position:
-                    low = low * self._position_mask(current[1], a.dtype)[0]
+                    low.mul_(self._position_mask(current[1], a.dtype)[0])
                 b = self._scaled(key, b)
                 if b.dtype == output.dtype:
                     output[0, start:].addmm_(low, b)
@@ -268,7 +268,7 @@ class SatAdapter(nn.Module):
         kept = self._last_mask
         if kept is not None and kept[0] is slots and kept[1].dtype == dtype:
             return kept[1]
-        mask = nn.functional.one_hot(slots, self.config.num_sats).to(dtype)
+        mask = nn.functional.one_hot(slots, self.config.num_sats).to(device=self.embeddings.device, dtype=dtype)
         mask = mask.repeat_interleave(self.config.rank, dim=-1)
         self._last_mask = (slots, mask)  # one tuple, as in _sat_input
         return mask

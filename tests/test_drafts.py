@@ -60,12 +60,22 @@ def test_bad_input_is_one_line(capsys, args, message):
     assert err.count("\n") == 1 and message in err, err
 
 
-def test_the_acceptance_trace_of_chat_prompts_is_taken_under_the_chat_template(default_engine, tmp_path):
+def test_the_acceptance_trace_of_chat_prompts_is_taken_under_the_chat_template(default_engine, tmp_path, monkeypatch):
     """`python -m sdsat.bench.acceptance --prompts FILE`: a chat prompt is decoded as the Chat tab decodes it,
-    so the trace the planner replays holds the chat-templated prompt and the output that follows it."""
+    greedy and sampled, so the trace holds the chat-templated prompt and the output that follows it."""
     from sdsat.bench import acceptance
     from sdsat.config import DecodeConfig
+    from sdsat.engine import Engine
     from sdsat.planner import Trace
+
+    decodes = []  # (sampled, chat) of every decode the tool runs
+    generate = Engine.generate
+
+    def spied(self, prompt, config, chat=False):
+        decodes.append((config.sampling.do_sample, chat))
+        return generate(self, prompt, config, chat)
+
+    monkeypatch.setattr(Engine, "generate", spied)
 
     text = "Name two colours."
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": text, "kind": "chat"}) + "\n")
@@ -78,3 +88,9 @@ def test_the_acceptance_trace_of_chat_prompts_is_taken_under_the_chat_template(d
     want = default_engine.generate(text, DecodeConfig(method="vanilla", max_new_tokens=6), chat=True).token_ids
     assert prompt.output_ids == want and len(prompt.ranks) == len(want)
     assert "--prompts" in trace.source and len(trace.sampled) == len(acceptance.SAMPLED)
+    assert sorted(set(decodes)) == [(False, True), (True, True)]
+    # A prompt file that cannot be read is refused before the model loads.
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit) as exit_:
+        acceptance.main(["--prompts", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "other.json")])
+    assert exit_.value.code == 2 and not (tmp_path / "other.json").exists()

@@ -226,6 +226,7 @@ def test_eval_windows_cover_short_sequences_too():
     (["--corpus-modes", "t2"], "corpus_modes must be a non-empty list of greedy, t0.7, t1.0; got ['t2']"),
     (["--corpus-modes", "greedy"], "corpus_modes picks decodings of --corpus; name a corpus folder"),
     (["--init-from", "nowhere"], "init_from must be a folder holding a trained adapter (adapter_config.json)"),
+    (["--per-position", "--rank", "0"], "per_position needs mode adapter, a rank of 1 or more and num_sats of 2"),
 ])
 def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, args, message):
     from sdsat.train.__main__ import main
@@ -234,6 +235,14 @@ def test_trainer_settings_are_checked_before_anything_loads(tmp_path, capsys, ar
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not (tmp_path / "run").exists()  # refused before the run folder, the model or the corpus
+
+
+def test_a_true_or_false_setting_is_a_flag_with_its_negation():
+    from sdsat.train.__main__ import _parser
+
+    assert _parser().parse_args([]).per_position is False
+    assert _parser().parse_args(["--per-position"]).per_position is True
+    assert _parser().parse_args(["--per-position", "--no-per-position"]).per_position is False
 
 
 def tiny_run(tmp_path, steps: int = 4) -> tuple[TrainConfig, dict]:
@@ -485,12 +494,13 @@ def test_a_run_may_split_a_shared_adapter_into_updates_per_sat_position(tmp_path
     assert torch.equal(after[:, 0], before[:, 0]) and not torch.allclose(after[:, 1], before[:, 1])
     loaded.adapter.detach()
 
-    with pytest.raises(ValueError, match="it has LoRA updates per SAT position; train with --per-position"):
+    with pytest.raises(ValueError, match="it has LoRA updates per SAT position; train with --per-position$"):
         prepare(tiny_adapter_config(tmp_path / "back", init_from=str(tmp_path / "split" / "sats")),
                 model, real_tokenizer)
-    with pytest.raises(ValueError, match="grow the rank or split the updates per position, not both"):
-        prepare(tiny_adapter_config(tmp_path / "both", rank=8, alpha=16.0, per_position=True, init_from=str(first)),
-                model, real_tokenizer)
+    for start in (first, tmp_path / "split" / "sats"):  # each position's block would move
+        with pytest.raises(ValueError, match="the rank can grow for shared updates only, not with --per-position"):
+            prepare(tiny_adapter_config(tmp_path / "both", rank=8, alpha=16.0, per_position=True, init_from=str(start)),
+                    model, real_tokenizer)
     with pytest.raises(ValueError, match="holds a run with per_position False; this one has True"):
         train(tiny_adapter_config(tmp_path / "first", steps=5, per_position=True), model=model,
               tokenizer=real_tokenizer, **data)

@@ -104,10 +104,11 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdsat.bench.acceptance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--subset", default="148-163", help="HumanEval problems (default 148-163)")
-    parser.add_argument("--prompts", metavar="FILE",
-                        help="a prompt file (JSON lines, as the benchmark's) instead of HumanEval problems; chat "
-                             "prompts get the chat template")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--subset", default="148-163", help="HumanEval problems (default 148-163)")
+    which.add_argument("--prompts", metavar="FILE",
+                       help="a prompt file (JSON lines, as the benchmark's) instead of HumanEval problems; chat "
+                            "prompts get the chat template. Name an --out: the default is the trace auto plans from")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                         help="tokens of vanilla output per prompt (default 128)")
     parser.add_argument("--model", default=None, metavar="ID_OR_DIR",
@@ -122,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import DecodeConfig
     from ..engine import Engine
     from ..models import DEFAULT_MODEL, LoadConfig
-    from .prompts import file_prompts, humaneval_prompts
+    from .prompts import PromptFileError, file_prompts, humaneval_prompts
 
+    try:
+        prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.subset)
+    except (PromptFileError, ValueError) as err:
+        parser.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL))
@@ -131,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is needed for a model whose SATs are not an adapter folder")
     out = Path(args.out or Path(engine.sat_model.spec.adapter) / TRACE_FILE)
     depth = engine.max_k
-    prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.subset)
     which, flag = (args.prompts, f"--prompts {args.prompts}") if args.prompts else (
         f"HumanEval {args.subset}", f"--subset {args.subset}")
     source = (f"{which}, {engine.name}, greedy, {args.max_new_tokens} new tokens: "

@@ -127,6 +127,9 @@ class TrainConfig:
                              f"adapter only; got {self.init_from!r}")
         if not isinstance(self.per_position, bool):
             raise ValueError(f"per_position must be true or false, got {self.per_position!r}")
+        if self.per_position and (self.mode != "adapter" or self.rank == 0 or self.num_sats == 1):
+            raise ValueError("per_position needs mode adapter, a rank of 1 or more and num_sats of 2 or more "
+                             "(it splits the adapter's low-rank updates between SAT positions)")
         if self.layers is not None and (not isinstance(self.layers, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
             raise ValueError(f"layers must be a list of decoder layer numbers (0 or more), got {self.layers!r}")
@@ -289,7 +292,8 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
 def warm_start(adapter: SatAdapter, folder: Path) -> None:
     """Copy a trained adapter's weights into `adapter`, which must have its shape, or a larger LoRA rank at the
     same scale alpha / rank: the trained directions fill the first ranks and the new ones start with B = 0, so
-    the run starts from exactly the trained adapter's function with room to grow. (A checkpoint resumed later
+    the run starts from exactly the trained adapter's function with room to grow. Shared updates may also be
+    split into one copy per SAT position (`per_position`), the same function again. (A checkpoint resumed later
     overrides all of it, as it should.)"""
     trained = SatAdapter.load(folder)
     for name in ("hidden_size", "num_layers"):
@@ -298,10 +302,10 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
                              f"({name} {getattr(trained.config, name)}), not this one; pass that --model")
     splits = adapter.config.per_position and not trained.config.per_position  # shared -> one copy per position
     if trained.config.per_position and not adapter.config.per_position:
-        raise ValueError(f"init_from {folder}: it has LoRA updates per SAT position; train with --per-position 1")
+        raise ValueError(f"init_from {folder}: it has LoRA updates per SAT position; train with --per-position")
     grows = trained.config.rank < adapter.config.rank and trained.config.rank > 0
-    if splits and grows:
-        raise ValueError(f"init_from {folder}: grow the rank or split the updates per position, not both at once")
+    if grows and adapter.config.per_position:  # each position's block would move: the copy below is contiguous
+        raise ValueError(f"init_from {folder}: the rank can grow for shared updates only, not with --per-position")
     if grows and trained.scale != adapter.scale:
         raise ValueError(f"init_from {folder}: the rank grows from {trained.config.rank} to {adapter.config.rank}, "
                          f"so alpha must grow with it to {trained.scale * adapter.config.rank:g} (alpha / rank stays "
