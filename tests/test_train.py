@@ -421,29 +421,36 @@ def test_a_run_started_from_a_trained_adapter_starts_where_that_one_ended(tmp_pa
               model=model, tokenizer=real_tokenizer, **data)
 
 
-def test_a_run_may_start_from_a_trained_adapter_of_lower_rank_at_the_same_scale(tmp_path, real_tokenizer):
-    """--init-from with a larger --rank (issue 24's capacity lever): the trained directions fill the first ranks
-    and the new ones start at B = 0, so the SAT logits are the trained adapter's to the last bit; training then
-    moves the new directions. A scale alpha / rank that changed is refused, naming the alpha that keeps it."""
+def first_adapter(tmp_path, real_tokenizer):
+    """(model, training data, folder of an adapter trained 4 steps on it): what a warm start starts from."""
     torch.manual_seed(0)
     model = make_tiny_llama(vocab_size=VOCAB)
     data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
     train(tiny_adapter_config(tmp_path / "first", steps=4), model=model, tokenizer=real_tokenizer, **data)
-    first = tmp_path / "first" / "sats"
-    ids, slots = torch.tensor([[5, 9, 3, 7, 0, 0]]), torch.tensor([[-1, -1, -1, -1, 0, 1]])
+    return model, data, tmp_path / "first" / "sats"
 
-    def sat_logits(sat_model):
-        with torch.no_grad():
-            return sat_model.forward(ids, slots)[:, -2:]
+
+def two_sat_logits(sat_model):
+    """The two SATs' logits after a 4-token prompt."""
+    ids, slots = torch.tensor([[5, 9, 3, 7, 0, 0]]), torch.tensor([[-1, -1, -1, -1, 0, 1]])
+    with torch.no_grad():
+        return sat_model.forward(ids, slots)[:, -2:]
+
+
+def test_a_run_may_start_from_a_trained_adapter_of_lower_rank_at_the_same_scale(tmp_path, real_tokenizer):
+    """--init-from with a larger --rank (issue 24's capacity lever): the trained directions fill the first ranks
+    and the new ones start at B = 0, so the SAT logits are the trained adapter's to the last bit; training then
+    moves the new directions. A scale alpha / rank that changed is refused, naming the alpha that keeps it."""
+    model, data, first = first_adapter(tmp_path, real_tokenizer)
 
     small = SatModel(model, SatSpec(kind="adapter", max_k=2), SatAdapter.load(first))
-    want = sat_logits(small)
+    want = two_sat_logits(small)
     small.adapter.detach()
     grown, _ = prepare(tiny_adapter_config(tmp_path / "grown", rank=8, alpha=16.0, init_from=str(first)),
                        model, real_tokenizer)
     assert grown.adapter.config.rank == 8 and all(b.shape[0] == 8 for b in grown.adapter.lora_b.values())
     assert all(torch.count_nonzero(b[4:]) == 0 for b in grown.adapter.lora_b.values())
-    assert torch.equal(sat_logits(grown), want)
+    assert torch.equal(two_sat_logits(grown), want)
     grown.adapter.detach()
 
     train(tiny_adapter_config(tmp_path / "grown", steps=3, rank=8, alpha=16.0, init_from=str(first)),
@@ -460,24 +467,15 @@ def test_a_run_may_split_a_shared_adapter_into_updates_per_sat_position(tmp_path
     """--per-position from a shared --init-from (issue 24's capacity lever): every position starts as a copy
     of the shared updates, so the SAT logits are the trained adapter's; training then moves each position's own
     block, and a block changes only its own SAT's logits. The split adapter saves and loads as it is."""
-    torch.manual_seed(0)
-    model = make_tiny_llama(vocab_size=VOCAB)
-    data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
-    train(tiny_adapter_config(tmp_path / "first", steps=4), model=model, tokenizer=real_tokenizer, **data)
-    first = tmp_path / "first" / "sats"
-    ids, slots = torch.tensor([[5, 9, 3, 7, 0, 0]]), torch.tensor([[-1, -1, -1, -1, 0, 1]])
-
-    def sat_logits(sat_model):
-        with torch.no_grad():
-            return sat_model.forward(ids, slots)[:, -2:]
+    model, data, first = first_adapter(tmp_path, real_tokenizer)
 
     shared = SatModel(model, SatSpec(kind="adapter", max_k=2), SatAdapter.load(first))
-    want = sat_logits(shared)
+    want = two_sat_logits(shared)
     shared.adapter.detach()
     split, _ = prepare(tiny_adapter_config(tmp_path / "split", per_position=True, init_from=str(first)),
                        model, real_tokenizer)
     assert all(b.shape[0] == 2 * 4 for b in split.adapter.lora_b.values())
-    assert torch.allclose(sat_logits(split), want, atol=1e-6)
+    assert torch.allclose(two_sat_logits(split), want, atol=1e-6)
     split.adapter.detach()
 
     train(tiny_adapter_config(tmp_path / "split", steps=3, per_position=True, init_from=str(first)),
@@ -486,11 +484,11 @@ def test_a_run_may_split_a_shared_adapter_into_updates_per_sat_position(tmp_path
     assert trained.config.per_position
     assert all(not torch.equal(b[:4], b[4:]) for b in trained.lora_b.values()), "the positions' blocks move apart"
     loaded = SatModel(model, SatSpec(kind="adapter", max_k=2), trained)
-    before = sat_logits(loaded)
+    before = two_sat_logits(loaded)
     with torch.no_grad():
         for b in trained.lora_b.values():
             b[4:] += 1.0  # SAT 2's block only
-    after = sat_logits(loaded)
+    after = two_sat_logits(loaded)
     assert torch.equal(after[:, 0], before[:, 0]) and not torch.allclose(after[:, 1], before[:, 1])
     loaded.adapter.detach()
 

@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..config import DecodeConfig
     from ..engine import Engine
     from ..models import DEFAULT_MODEL, LoadConfig
-    from .prompts import PromptFileError, file_prompts, humaneval_prompts
+    from .prompts import file_prompts, humaneval_prompts
 
     try:
         prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.subset)
-    except (PromptFileError, ValueError) as err:
+    except ValueError as err:  # PromptFileError among them
         parser.error(str(err))
     if args.threads:
         torch.set_num_threads(args.threads)
