@@ -4,8 +4,9 @@ Two things decide it. The machine's cost curve (costs.py: what a pass over T tok
 pass cost, measured at load) and how often the SATs' drafts are right (an acceptance trace,
 measured once per adapter and shipped with it: `python -m sdsat.bench.acceptance`). The trace holds,
 for greedy decodes of held-out prompts, every output token and, at every position, the rank of the
-true next tokens among each SAT's choices. Replaying the decoders' rules over it (prompt lookup from
-the real history, the tree walk over the real ranks) gives each candidate setting's tokens and
+true next tokens among each SAT's choices; and per sampling setting, pass rates and a sampled output
+per prompt. Replaying the decoders' rules over it (prompt lookup from the real history, greedy or
+sampled; the tree walk over the real ranks, or the measured pass rates) gives each candidate setting's tokens and
 pass time per prompt; the planner takes the setting with the best median predicted speed-up over
 the fastest vanilla decoding (which may run in another precision). The choice is deterministic for
 a given curve and trace.
@@ -66,6 +67,18 @@ class SampledAcceptance:
     # given that it was tried (the earlier ones at that node having failed)
     copies: list[float]  # copies[j - 1]: the chance that copy j passes, given that copies 1..j - 1 did
     top_k: int = 0  # 0: no top-k
+    # outputs[i]: the sampled output of the trace's prompt i at this setting, where the replay finds prompt
+    # lookup's copies (sampled text repeats itself less than greedy text); empty in traces measured before
+    outputs: list[list[int]] = field(default_factory=list)
+    _texts: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def text(self, index: int, prompt: PromptTrace) -> PromptTrace:
+        """Prompt `index` of the trace with this setting's sampled output, or `prompt` (greedy) if none was kept."""
+        if index >= len(self.outputs):
+            return prompt
+        if index not in self._texts:
+            self._texts[index] = PromptTrace(prompt.prompt_ids, self.outputs[index], [])
+        return self._texts[index]
 
     def rate(self, depth: int, attempt: int) -> float:
         """tries[depth - 1][attempt], 0 where nothing was measured."""
@@ -95,7 +108,7 @@ class SampledAcceptance:
     def to_dict(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "tries": [[round(r, 4) for r in row] for row in self.tries],
-                "copies": [round(c, 4) for c in self.copies]}
+                "copies": [round(c, 4) for c in self.copies], "outputs": self.outputs}
 
 
 @dataclass
@@ -119,7 +132,7 @@ class Trace:
         prompts = [PromptTrace(p["prompt_ids"], p["output_ids"], [[int(c) for c in row] for row in p["ranks"]])
                    for p in data["prompts"]]
         sampled = [SampledAcceptance(float(s["temperature"]), float(s["top_p"]), s["tries"], s["copies"],
-                                     int(s.get("top_k", 0))) for s in data.get("sampled", [])]
+                                     int(s.get("top_k", 0)), s.get("outputs", [])) for s in data.get("sampled", [])]
         return cls(prompts, int(data["depth"]), data.get("source", ""), sampled)
 
     def sampled_at(self, temperature: float, top_p: float = 1.0, top_k: int = 0) -> SampledAcceptance | None:
@@ -188,8 +201,9 @@ def _accepted(tree: DraftTree, ranks: list[int]) -> int:
 
 def replay_sampled(trace: PromptTrace, settings: Settings, curve: CostCurve,
                    sampled: SampledAcceptance) -> tuple[int, int, float]:
-    """Replay one decode under `settings` when sampling: where prompt lookup finds copies is read from the
-    trace's text, and each verify pass yields its expected accepted drafts or copies at `sampled`'s rates."""
+    """Replay one decode under `settings` when sampling: where prompt lookup finds copies is read from
+    `trace`'s text (a sampled output: `SampledAcceptance.text`), and each verify pass yields its expected
+    accepted drafts or copies at `sampled`'s rates."""
     total, k, lookup = len(trace.output_ids), settings.k, settings.lookup_tokens
     tree = DraftTree.for_k(k, settings.tree_candidates)
     drafts, verify_s = sampled.expected_drafts(tree), curve.tree_s(k, settings.tree_candidates)
@@ -303,9 +317,9 @@ def predict(trace: Trace, settings: Settings, curve: CostCurve, baseline_s: floa
     """Median over prompts of the replayed speed-up against a vanilla decode at `baseline_s` per token; with
     `sampled`, the sampled replay at its rates."""
     ratios, same, tokens, passes = [], [], 0, 0
-    for prompt in trace.prompts:
+    for index, prompt in enumerate(trace.prompts):
         n, p, seconds = replay(prompt, settings, curve) if sampled is None else replay_sampled(
-            prompt, settings, curve, sampled)
+            sampled.text(index, prompt), settings, curve, sampled)
         ratios.append(n * baseline_s / seconds)
         same.append(n * curve.one_token_s / seconds)
         tokens, passes = tokens + n, passes + p

@@ -88,6 +88,8 @@ def test_the_acceptance_trace_of_chat_prompts_is_taken_under_the_chat_template(d
     want = default_engine.generate(text, DecodeConfig(method="vanilla", max_new_tokens=6), chat=True).token_ids
     assert prompt.output_ids == want and len(prompt.ranks) == len(want)
     assert "--prompts" in trace.source and len(trace.sampled) == len(acceptance.SAMPLED)
+    # each setting keeps its sampled output of the prompt: the planner finds prompt lookup's copies there
+    assert all(len(s.outputs) == 1 and 0 < len(s.outputs[0]) <= 6 for s in trace.sampled)
     assert sorted(set(decodes)) == [(False, True), (True, True)]
     # A prompt file that cannot be read is refused before the model loads.
     (tmp_path / "bad.jsonl").write_text("{not json\n")

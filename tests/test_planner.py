@@ -169,8 +169,8 @@ def test_sampling_without_a_sampled_acceptance_plans_no_tree():
     assert plan.settings.tree_candidates == 0
 
 
-def sampled(tries, copies=(0.5,) * 10, temperature=1.0, top_p=1.0, top_k=0) -> SampledAcceptance:
-    return SampledAcceptance(temperature, top_p, [list(row) for row in tries], list(copies), top_k)
+def sampled(tries, copies=(0.5,) * 10, temperature=1.0, top_p=1.0, top_k=0, outputs=()) -> SampledAcceptance:
+    return SampledAcceptance(temperature, top_p, [list(row) for row in tries], list(copies), top_k, list(outputs))
 
 
 def test_expected_drafts_of_a_sampled_tree_follow_the_try_order():
@@ -194,9 +194,28 @@ def test_sampling_plans_a_tree_where_later_siblings_pass_and_not_where_they_fail
     assert plan.settings.tree_candidates == 0 and "sampling at T=0.3" in plan.reason
 
 
+def test_sampled_replay_finds_prompt_lookups_copies_in_the_sampled_output_not_the_greedy_one():
+    """Greedy text that repeats the prompt is no evidence that sampled text will: the sampled replay prices
+    lookup by the sampled output kept for each prompt, and by the greedy text only where none was kept."""
+    trace = synthetic_trace(prompts=3, repeat=True)
+    lookup, chain, flat = Settings(k=3, lookup_tokens=10), Settings(k=3), curve(FLAT)
+    old = sampled([[0.5], [0.5], [0.5]], copies=[0.9] * 10)
+    fresh = sampled([[0.5], [0.5], [0.5]], copies=[0.9] * 10, outputs=[
+        [7000 + i for i in range(96)] for _ in trace.prompts])  # tokens the prompts never hold: no copies
+    assert predict(trace, lookup, flat, 0.04, old).speedup > predict(trace, chain, flat, 0.04, old).speedup
+    assert predict(trace, lookup, flat, 0.04, fresh).speedup == predict(trace, chain, flat, 0.04, fresh).speedup
+    # a sampled output that repeats the prompt gets the copies back
+    repeats = sampled([[0.5], [0.5], [0.5]], copies=[0.9] * 10, outputs=[p.output_ids for p in trace.prompts])
+    assert predict(trace, lookup, flat, 0.04, repeats).speedup == predict(trace, lookup, flat, 0.04, old).speedup
+    trace.sampled = [fresh]
+    assert choose([flat], trace, max_k=3, greedy=False).settings.lookup_tokens == 0
+    trace.sampled = [repeats]
+    assert choose([flat], trace, max_k=3, greedy=False).settings.lookup_tokens > 0
+
+
 def test_sampled_acceptance_round_trips_through_the_trace_file(tmp_path):
     trace = synthetic_trace(prompts=2, length=20)
-    trace.sampled = [sampled([[0.5, 0.25]], copies=[0.75], temperature=0.7, top_p=0.95),
+    trace.sampled = [sampled([[0.5, 0.25]], copies=[0.75], temperature=0.7, top_p=0.95, outputs=[[3, 4], [5]]),
                      sampled([[0.6, 0.3]], copies=[0.8], temperature=0.8, top_p=0.95, top_k=50)]
     trace.save(tmp_path / "acceptance.json")
     again = Trace.load(tmp_path / "acceptance.json")

@@ -5,10 +5,11 @@ the true history, recording where each true next token ranks among the SAT's cho
 per sampling setting (T = 0.7 with top-p 0.95, T = 1, and the page's T = 0.8 with top-p 0.95 and top-k
 50), sampled decodes of the same prompts with the largest draft tree and prompt lookup: how often the
 i-th sibling tried at each depth passes its accept test, and how often each copy does
-(`SampledAcceptance`), which the planner prices sampled settings with. The trace depends on the model
-and its SATs, not on the machine, so it is measured once and shipped next to the adapter
-(`acceptance.json`). The default prompts are HumanEval's last 16 problems, kept apart from the
-benchmark's headline subset (0–15).
+(`SampledAcceptance`), which the planner prices sampled settings with; and each sampled output, where the
+planner looks for prompt lookup's copies when sampling (sampled text repeats itself less than greedy). The
+trace depends on the model and its SATs, not on the machine, so it is measured once and shipped next to
+the adapter (`acceptance.json`). The default prompts are HumanEval's last 16 problems, kept apart from
+the benchmark's headline subset (0–15).
 """
 
 from __future__ import annotations
@@ -66,12 +67,15 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k:
     from ..sampling import SamplingConfig
 
     tried, passed = Counter(), Counter()  # by ("sat", depth, attempt) or ("copy", position)
+    outputs = []
     for seed, prompt in enumerate(prompts):
         config = DecodeConfig(method="sdsat", k=engine.max_k, max_new_tokens=max_new_tokens,
                               tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS,
                               sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p,
                                                       top_k=top_k, seed=seed))
-        for step in engine.generate(prompt.text, config, chat=prompt.kind == "chat").steps:
+        result = engine.generate(prompt.text, config, chat=prompt.kind == "chat")
+        outputs.append(result.token_ids)
+        for step in result.steps:
             if step.draft_source == "lookup":
                 for test in step.accept_tests:
                     tried["copy", test.depth] += 1
@@ -98,7 +102,7 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k:
             for d in range(1, depth + 1)]
     longest = max((key[1] for key in tried if key[0] == "copy"), default=0)
     return SampledAcceptance(temperature, top_p, rows, [rate(("copy", j)) for j in range(1, longest + 1)],
-                             top_k=top_k)
+                             top_k=top_k, outputs=outputs)
 
 
 def main(argv: list[str] | None = None) -> int:
