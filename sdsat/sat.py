@@ -96,6 +96,8 @@ class AdapterConfig:
     # training backpropagates through the layers from inject_layer up only (less work per step)
     per_position: bool = False  # each SAT position j gets low-rank updates of its own (columns j*rank.. of A,
     # rows j*rank.. of B) instead of sharing one pair: num_sats times the room for the same work per row
+    mlp_width: int = 0  # extra MLP neurons (SwiGLU) in each adapted layer that only SAT rows use: new nonlinear
+    # features, where LoRA can only tilt the base model's own; their output weights start at 0
 
     @property
     def lora_width(self) -> int:
@@ -104,14 +106,14 @@ class AdapterConfig:
 
 
 class SatAdapter(nn.Module):
-    """Learned SAT embeddings plus low-rank updates that only touch SAT rows.
+    """Learned SAT embeddings plus low-rank updates (and, optionally, MLP neurons) that only touch SAT rows.
 
     The updates are forward hooks on the base model's linear layers: ``y = W x + (x A) B * s`` on
     the SAT rows only (the tail of the block), so standard rows get ``W x`` untouched and stay
-    bit-identical. With ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows
-    entering that layer. The hooks are in place only while a pass with SAT rows runs (`hooked`):
-    a module with any hook takes PyTorch's slower call path, which would tax every plain pass, vanilla's
-    included.
+    bit-identical. With ``mlp_width`` > 0, a hook on each adapted layer's MLP adds ``(silu(x G) * (x U)) D`` to its
+    SAT rows the same way. With ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows entering
+    that layer. The hooks are in place only while a pass with SAT rows runs (`hooked`): a module with any hook takes
+    PyTorch's slower call path, which would tax every plain pass, vanilla's included.
     """
 
     def __init__(self, config: AdapterConfig):
@@ -120,6 +122,8 @@ class SatAdapter(nn.Module):
         self.embeddings = nn.Parameter(torch.zeros(config.num_sats, config.hidden_size))  # (K, H)
         self.lora_a = nn.ParameterDict()  # "layer_module" -> (in, config.lora_width)
         self.lora_b = nn.ParameterDict()  # "layer_module" -> (config.lora_width, out); zero-initialised
+        self.mlp_in = nn.ParameterDict()  # "layer" -> (H, 2 * mlp_width): gate and up of the SAT-only neurons
+        self.mlp_out = nn.ParameterDict()  # "layer" -> (mlp_width, H); zero-initialised
         # Input embedding of every SAT row when the SAT embeddings are injected higher up; fixed.
         self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
         self._hooks: list[tuple[nn.Module, object, bool]] = []  # (module, hook, is a pre-hook): see `hooked`
@@ -151,6 +155,11 @@ class SatAdapter(nn.Module):
                 a = torch.randn(linear.in_features, config.lora_width, generator=gen) / math.sqrt(linear.in_features)
                 adapter.lora_a[key] = nn.Parameter(a)
                 adapter.lora_b[key] = nn.Parameter(torch.zeros(config.lora_width, linear.out_features))
+        hidden, gen = config.hidden_size, torch.Generator().manual_seed(1)
+        for key, _ in _adapted_mlps(model, config):
+            adapter.mlp_in[key] = nn.Parameter(torch.randn(hidden, 2 * config.mlp_width, generator=gen)
+                                               / math.sqrt(hidden))
+            adapter.mlp_out[key] = nn.Parameter(torch.zeros(config.mlp_width, hidden))
         return adapter
 
     def copy(self) -> "SatAdapter":
@@ -159,9 +168,9 @@ class SatAdapter(nn.Module):
         with torch.no_grad():
             twin.embeddings = nn.Parameter(self.embeddings.detach().clone())
             twin.base_embedding.copy_(self.base_embedding)
-            for key in self.lora_a:
-                twin.lora_a[key] = nn.Parameter(self.lora_a[key].detach().clone())
-                twin.lora_b[key] = nn.Parameter(self.lora_b[key].detach().clone())
+            for name in ("lora_a", "lora_b", "mlp_in", "mlp_out"):
+                for key, value in getattr(self, name).items():
+                    getattr(twin, name)[key] = nn.Parameter(value.detach().clone())
         return twin
 
     def attach(self, model: nn.Module) -> None:
@@ -180,6 +189,13 @@ class SatAdapter(nn.Module):
                 raise ValueError(f"SAT adapter weights for {key} have shapes {have[0]} and {have[1]}, but this model "
                                  f"needs {want[0]} and {want[1]}: the adapter was saved for another model")
             self._hooks.append((linear, self._make_hook(key), False))
+        for key, mlp in _adapted_mlps(model, self.config):
+            hidden, width = self.config.hidden_size, self.config.mlp_width
+            if key not in self.mlp_in or [tuple(self.mlp_in[key].shape), tuple(self.mlp_out[key].shape)] != [
+                    (hidden, 2 * width), (width, hidden)]:
+                raise ValueError(f"SAT adapter has no SAT-only MLP weights of width {width} for layer {key}; "
+                                 "it was saved for another layout")
+            self._hooks.append((mlp, self._make_mlp_hook(key), False))
         if self.config.inject_layer > 0:
             self._hooks.append((_decoder_layers(model)[self.config.inject_layer], self._inject, True))
 
@@ -253,6 +269,17 @@ class SatAdapter(nn.Module):
 
         return hook
 
+    def _make_mlp_hook(self, key: str):
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
+            current = _SAT_ROWS.get()
+            if current is None:
+                return None
+            start, w_in, w_out = current[0], self.mlp_in[key], self.mlp_out[key]
+            gate, up = (inputs[0][:, start:].to(w_in.dtype) @ w_in).chunk(2, dim=-1)
+            return _add_to_tail(output, start, (nn.functional.silu(gate) * up @ w_out).to(output.dtype))
+
+        return hook
+
     def _sat_input(self, x: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
         """The SAT rows of a layer input in the adapter's dtype, cast once per input tensor."""
         last = self._last_input
@@ -289,6 +316,8 @@ class SatAdapter(nn.Module):
         tensors = {"embeddings": self.embeddings, "base_embedding": self.base_embedding}
         tensors.update({f"lora_a.{k}": v for k, v in self.lora_a.items()})
         tensors.update({f"lora_b.{k}": v for k, v in self.lora_b.items()})
+        tensors.update({f"mlp_in.{k}": v for k, v in self.mlp_in.items()})
+        tensors.update({f"mlp_out.{k}": v for k, v in self.mlp_out.items()})
         save_file({k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in tensors.items()},
                   str(folder / ADAPTER_WEIGHTS_FILE))
         (folder / ADAPTER_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
@@ -314,7 +343,7 @@ class SatAdapter(nn.Module):
             adapter.base_embedding.copy_(tensors.pop("base_embedding"))
         for name, tensor in tensors.items():
             part, _, key = name.partition(".")
-            if part not in ("lora_a", "lora_b"):
+            if part not in ("lora_a", "lora_b", "mlp_in", "mlp_out"):
                 raise ValueError(f"SAT adapter in {folder}: unexpected tensor {name}")
             getattr(adapter, part)[key] = nn.Parameter(tensor)
         return adapter
@@ -347,6 +376,15 @@ def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[s
         for name, module in layers[i].named_modules():
             if name.split(".")[-1] in config.target_modules and isinstance(module, nn.Linear):
                 yield f"{i}_{name.replace('.', '_')}", module
+
+
+def _adapted_mlps(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[str, nn.Module]]:
+    """The MLP of every adapted layer, by layer number, when the adapter has SAT-only MLP neurons."""
+    if config.mlp_width == 0:
+        return
+    layers = _decoder_layers(model)
+    for i in range(config.inject_layer, len(layers)) if config.layers is None else config.layers:
+        yield str(i), layers[i].mlp
 
 
 def _add_to_tail(x: torch.Tensor, start: int, delta: torch.Tensor, in_place: bool = True) -> torch.Tensor:

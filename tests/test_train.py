@@ -20,14 +20,14 @@ VOCAB = 24
 
 
 def random_adapter_model(model, num_sats: int = 4, seed: int = 0, inject_layer: int = 0,
-                         per_position: bool = False) -> SatModel:
+                         per_position: bool = False, mlp_width: int = 0) -> SatModel:
     config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
                            num_layers=model.config.num_hidden_layers, num_sats=num_sats, rank=4,
-                           inject_layer=inject_layer, per_position=per_position)
+                           inject_layer=inject_layer, per_position=per_position, mlp_width=mlp_width)
     adapter = SatAdapter.for_model(model, config, init_token_id=3)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in list(adapter.lora_b.values()) + [adapter.embeddings]:
+        for p in [*adapter.lora_b.values(), *adapter.mlp_out.values(), adapter.embeddings]:
             p.copy_(torch.randn(p.shape, generator=gen))
     return SatModel(model, SatSpec(kind="adapter", max_k=num_sats), adapter)
 
@@ -47,10 +47,13 @@ def test_layout_mask_lets_each_sat_see_its_prefix_and_earlier_sats_of_its_run():
         assert int(layout.target_positions[row]) == p + 1 + j and p + j + 2 <= n - 1
 
 
-@pytest.mark.parametrize("inject_layer, per_position", [(0, False), (1, False), (1, True)])
-def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer, per_position):
+ADAPTER_SHAPES = [(0, False, 0), (1, False, 0), (1, True, 0), (1, False, 8)]  # inject_layer, per_position, mlp_width
+
+
+@pytest.mark.parametrize("inject_layer, per_position, mlp_width", ADAPTER_SHAPES)
+def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer, per_position, mlp_width):
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model, inject_layer=inject_layer, per_position=per_position)
+    sat_model = random_adapter_model(model, inject_layer=inject_layer, per_position=per_position, mlp_width=mlp_width)
     ids = torch.randint(2, 64, (2, 30), generator=torch.Generator().manual_seed(0))
     layout = sample_layout(30, runs=6, run_length=4, generator=torch.Generator().manual_seed(2))
     plain = model(input_ids=ids).logits
@@ -62,11 +65,12 @@ def test_standard_logits_are_unchanged_by_inserted_sat_runs(inject_layer, per_po
     assert (sats_one - sats_cached).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("inject_layer, per_position", [(0, False), (1, False), (1, True)])
-def test_sat_logits_in_training_equal_the_decoders_draft_step(inject_layer, per_position):
+@pytest.mark.parametrize("inject_layer, per_position, mlp_width", ADAPTER_SHAPES)
+def test_sat_logits_in_training_equal_the_decoders_draft_step(inject_layer, per_position, mlp_width):
     """The SAT j the trainer scores is the SAT j the decoder drafts with."""
     model = make_tiny_llama(vocab_size=64)
-    sat_model = random_adapter_model(model, num_sats=4, inject_layer=inject_layer, per_position=per_position)
+    sat_model = random_adapter_model(model, num_sats=4, inject_layer=inject_layer, per_position=per_position,
+                                     mlp_width=mlp_width)
     ids = torch.randint(2, 64, (1, 16), generator=torch.Generator().manual_seed(3))
     p = 9
     layout = SatLayout(n=16, anchor=torch.full((4,), p), slot=torch.arange(4), run=torch.zeros(4, dtype=torch.long))
@@ -502,6 +506,42 @@ def test_a_run_may_split_a_shared_adapter_into_updates_per_sat_position(tmp_path
     with pytest.raises(ValueError, match="holds a run with per_position False; this one has True"):
         train(tiny_adapter_config(tmp_path / "first", steps=5, per_position=True), model=model,
               tokenizer=real_tokenizer, **data)
+
+
+def test_a_run_may_add_sat_only_mlp_neurons_to_a_trained_adapter(tmp_path, real_tokenizer):
+    """--mlp-width from an --init-from without them (issue 24's "SAT-only MLP rows"): the new neurons' output
+    weights start at 0, so the SAT logits are the trained adapter's to the last bit; training then moves them,
+    and they change the SAT logits. The adapter saves and loads with them; a width that differs from a trained
+    one's, and a resumed run with another width, are refused by name."""
+    model, data, first = first_adapter(tmp_path, real_tokenizer)
+
+    plain = SatModel(model, SatSpec(kind="adapter", max_k=2), SatAdapter.load(first))
+    want = two_sat_logits(plain)
+    plain.adapter.detach()
+    wide, _ = prepare(tiny_adapter_config(tmp_path / "mlp", mlp_width=8, init_from=str(first)), model, real_tokenizer)
+    assert sorted(wide.adapter.mlp_out) == ["1"] and wide.adapter.mlp_out["1"].shape == (8, 32)
+    assert torch.equal(two_sat_logits(wide), want)
+    wide.adapter.detach()
+
+    train(tiny_adapter_config(tmp_path / "mlp", steps=3, mlp_width=8, init_from=str(first)),
+          model=model, tokenizer=real_tokenizer, **data)
+    trained = SatAdapter.load(tmp_path / "mlp" / "sats")
+    assert trained.config.mlp_width == 8 and torch.count_nonzero(trained.mlp_out["1"]) > 0
+    loaded = SatModel(model, SatSpec(kind="adapter", max_k=2), trained)
+    before = two_sat_logits(loaded)
+    with torch.no_grad():
+        trained.mlp_out["1"].zero_()
+    assert not torch.allclose(two_sat_logits(loaded), before), "the neurons are part of the SATs' function"
+    loaded.adapter.detach()
+
+    with pytest.raises(ValueError, match="its mlp_width is 8, this run's is 16; train with --mlp-width to match"):
+        prepare(tiny_adapter_config(tmp_path / "wider", mlp_width=16, init_from=str(tmp_path / "mlp" / "sats")),
+                model, real_tokenizer)
+    with pytest.raises(ValueError, match="holds a run with mlp_width 0; this one has 8"):
+        train(tiny_adapter_config(tmp_path / "first", steps=5, mlp_width=8), model=model,
+              tokenizer=real_tokenizer, **data)
+    with pytest.raises(ValueError, match="mlp_width needs mode adapter"):
+        TrainConfig(mode="paper", mlp_width=8).validate()
 
 
 def test_corpus_modes_choose_which_decodings_are_trained_on(tmp_path, real_tokenizer):

@@ -30,6 +30,8 @@ _HELP = {
     "inject_layer": "adapter: decoder layer where the SAT embeddings enter; backprop stops there (0: input)",
     "per_position": "adapter: each SAT position gets LoRA updates of its own, num_sats times the room (from a shared "
                     "--init-from, each position starts as a copy of the shared updates)",
+    "mlp_width": "adapter: extra MLP neurons in each adapted layer that only SAT rows use (0: none; from an "
+                 "--init-from without them, they start adding nothing)",
     "sat_token": "paper: the vocabulary token used as SAT (also the adapter's initial embedding)",
     "paper_lora_rank": "paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank",
     "target": "adapter: argmax (match the base model's token) or distribution (its full distribution)",

@@ -58,6 +58,7 @@ class TrainConfig:
     layers: list[int] | None = None  # adapter: decoder layers with updates; None for inject_layer and above
     inject_layer: int = 10  # adapter: SAT embeddings enter this decoder layer; backprop stops there (0: input)
     per_position: bool = False  # adapter: each SAT position gets LoRA updates of its own (num_sats times the room)
+    mlp_width: int = 0  # adapter: extra MLP neurons per adapted layer that only SAT rows use (0: none)
     sat_token: str = "<empty_output>"  # paper: the vocabulary token used as SAT (also the adapter's init)
     paper_lora_rank: int = 0  # paper: 0 fine-tunes every weight, > 0 trains LoRA (peft) of this rank
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
@@ -130,6 +131,9 @@ class TrainConfig:
         if self.per_position and (self.mode != "adapter" or self.rank == 0 or self.num_sats == 1):
             raise ValueError("per_position needs mode adapter, a rank of 1 or more and num_sats of 2 or more "
                              "(it splits the adapter's low-rank updates between SAT positions)")
+        if self.mlp_width and self.mode != "adapter":
+            raise ValueError("mlp_width needs mode adapter (it adds MLP neurons that only SAT rows use); got mode "
+                             f"{self.mode!r}")
         if self.layers is not None and (not isinstance(self.layers, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers)):
             raise ValueError(f"layers must be a list of decoder layer numbers (0 or more), got {self.layers!r}")
@@ -143,10 +147,10 @@ class TrainConfig:
 
 # The whole-number settings and their least values: 0 would divide by zero (warmup, eval_every,
 # checkpoint_every) or train nothing.
-_WHOLE_AT_LEAST = {"num_sats": 1, "rank": 0, "inject_layer": 0, "paper_lora_rank": 0, "steps": 1, "batch_size": 1,
-                   "seq_len": 1, "runs_per_seq": 1, "warmup": 1, "seed": 0, "code_files": 0, "code_prompts": 0,
-                   "chat_prompts": 0, "distill_tokens": 1, "distill_batch": 1, "held_out": 0, "eval_every": 1,
-                   "checkpoint_every": 1}
+_WHOLE_AT_LEAST = {"num_sats": 1, "rank": 0, "mlp_width": 0, "inject_layer": 0, "paper_lora_rank": 0, "steps": 1,
+                   "batch_size": 1, "seq_len": 1, "runs_per_seq": 1, "warmup": 1, "seed": 0, "code_files": 0,
+                   "code_prompts": 0, "chat_prompts": 0, "distill_tokens": 1, "distill_batch": 1, "held_out": 0,
+                   "eval_every": 1, "checkpoint_every": 1}
 # The real-valued settings: (low, high], so NaN, 0 and inf are refused where they would poison training.
 _REAL_IN = {"alpha": (0.0, 1e6), "offset_decay": (0.0, 1.0), "lr": (0.0, 10.0), "embedding_lr_scale": (0.0, 1e6)}
 
@@ -264,7 +268,8 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
                                        num_layers=model.config.num_hidden_layers, num_sats=config.num_sats,
                                        rank=config.rank, alpha=config.alpha,
                                        target_modules=list(config.target_modules), layers=config.layers,
-                                       inject_layer=config.inject_layer, per_position=config.per_position)
+                                       inject_layer=config.inject_layer, per_position=config.per_position,
+                                       mlp_width=config.mlp_width)
         torch.manual_seed(config.seed)
         adapter = SatAdapter.for_model(model, adapter_config, init_token_id=init_id)
         sat_model = SatModel(model, SatSpec(kind="adapter", max_k=config.num_sats), adapter)
@@ -272,7 +277,8 @@ def prepare(config: TrainConfig, model, tokenizer) -> tuple[SatModel, list[dict]
             warm_start(adapter.float(), Path(config.init_from))
         params = [{"params": [adapter.embeddings],
                    "lr_scale": config.embedding_lr_scale if config.inject_layer > 0 else 1.0},
-                  {"params": list(adapter.lora_a.values()) + list(adapter.lora_b.values()), "lr_scale": 1.0}]
+                  {"params": [*adapter.lora_a.values(), *adapter.lora_b.values(), *adapter.mlp_in.values(),
+                              *adapter.mlp_out.values()], "lr_scale": 1.0}]
     else:
         if init_id is None:
             raise ValueError(f"sat_token {config.sat_token!r} is not in the vocabulary; name an existing, unused token")
@@ -293,8 +299,9 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
     """Copy a trained adapter's weights into `adapter`, which must have its shape, or a larger LoRA rank at the
     same scale alpha / rank: the trained directions fill the first ranks and the new ones start with B = 0, so
     the run starts from exactly the trained adapter's function with room to grow. Shared updates may also be
-    split into one copy per SAT position (`per_position`), the same function again. (A checkpoint resumed later
-    overrides all of it, as it should.)"""
+    split into one copy per SAT position (`per_position`), the same function again; and SAT-only MLP neurons may be
+    added (`mlp_width`) to an adapter without them: their output weights start at 0, so again the same function.
+    (A checkpoint resumed later overrides all of it, as it should.)"""
     trained = SatAdapter.load(folder)
     for name in ("hidden_size", "num_layers"):
         if getattr(adapter.config, name) != getattr(trained.config, name):
@@ -312,16 +319,18 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
                          f"{trained.scale:g}); got --alpha {adapter.config.alpha:g}")
     if splits:
         trained = _per_position(trained)
-    for name in ("num_sats", "rank", "alpha", "target_modules", "layers", "inject_layer"):
+    adds_mlp = trained.config.mlp_width == 0  # new neurons keep their initialisation: D = 0 adds nothing
+    for name in ("num_sats", "rank", "alpha", "target_modules", "layers", "inject_layer", "mlp_width"):
         mine, theirs = getattr(adapter.config, name), getattr(trained.config, name)
-        if grows and name in ("rank", "alpha"):
+        if (grows and name in ("rank", "alpha")) or (adds_mlp and name == "mlp_width"):
             continue
         if (sorted(mine) != sorted(theirs)) if name == "target_modules" else mine != theirs:
             raise ValueError(f"init_from {folder}: its {name} is {theirs!r}, this run's is {mine!r}; "
                              f"train with --{name.replace('_', '-')} to match")
     ours, theirs = adapter.state_dict(), trained.state_dict()  # ours: views of the adapter's parameters
     width = trained.config.lora_width
-    slots = {name: _first_ranks(name, tensor, width) for name, tensor in ours.items()}
+    slots = {name: _first_ranks(name, tensor, width) for name, tensor in ours.items()
+             if not (adds_mlp and name.startswith("mlp_"))}
     for name, slot in slots.items():
         have = theirs.get(name)
         if have is None or have.shape != slot.shape:
@@ -572,7 +581,8 @@ def _resume(out: Path, sat_model, params, optimizer, scheduler, sampler, layouts
     except Exception as err:
         raise _unresumable(path, err) from None
     current = record["config"]
-    for name, default in (("init_from", ""), ("corpus_modes", list(CORPUS_MODES)), ("per_position", False)):
+    for name, default in (("init_from", ""), ("corpus_modes", list(CORPUS_MODES)), ("per_position", False),
+                          ("mlp_width", 0)):
         before = before_config.get(name, default)
         if sorted(before) != sorted(current[name]) if name == "corpus_modes" else before != current[name]:
             # another start, other text (whose held-out split differs) or other weights: not a continuation
