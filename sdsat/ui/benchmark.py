@@ -42,9 +42,13 @@ SUITES = {"stage4-humaneval-16-35": ("stage4-humaneval-16-35",
           "stage4-sampling-heldout-chat-t07": ("stage4-sampling-heldout-chat-t07",
                                                "Sampling at T=0.7, top-p 0.95: held-out chat prompts, auto against "
                                                "the fastest vanilla and vanilla sampling"),
+          "stage4-sampling-humaneval-16-35-t1-sampled-copies": (
+              "stage4-sampling-humaneval-16-35-t1-sampled-copies",
+              "Sampling at T=1: HumanEval 16–35, auto (planned on sampled text) against its earlier plan, the "
+              "fastest vanilla and vanilla sampling"),
           "stage4-sampling-humaneval-16-35-t1": ("stage4-sampling-humaneval-16-35-t1",
-                                                 "Sampling at T=1: HumanEval 16–35, auto against the fastest vanilla "
-                                                 "and vanilla sampling"),
+                                                 "Sampling at T=1: HumanEval 16–35, auto (planned on greedy text) "
+                                                 "against the fastest vanilla and vanilla sampling"),
           "stage3-humaneval-16-35": ("stage3-humaneval-16-35",
                                      "HumanEval 16–35 (held out), auto against the fastest vanilla" + STAGE3),
           "stage3-heldout-code": ("stage3-heldout-code",
