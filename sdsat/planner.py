@@ -74,11 +74,12 @@ class SampledAcceptance:
 
     def text(self, index: int, prompt: PromptTrace) -> PromptTrace:
         """Prompt `index` of the trace with this setting's sampled output, or `prompt` (greedy) if none was kept."""
-        if index >= len(self.outputs):
+        if not self.outputs:
             return prompt
-        if index not in self._texts:
-            self._texts[index] = PromptTrace(prompt.prompt_ids, self.outputs[index], [])
-        return self._texts[index]
+        kept = self._texts.get(index)
+        if kept is None or kept[0] is not prompt:
+            kept = self._texts[index] = (prompt, PromptTrace(prompt.prompt_ids, self.outputs[index], []))
+        return kept[1]
 
     def rate(self, depth: int, attempt: int) -> float:
         """tries[depth - 1][attempt], 0 where nothing was measured."""
@@ -133,6 +134,10 @@ class Trace:
                    for p in data["prompts"]]
         sampled = [SampledAcceptance(float(s["temperature"]), float(s["top_p"]), s["tries"], s["copies"],
                                      int(s.get("top_k", 0)), s.get("outputs", [])) for s in data.get("sampled", [])]
+        for setting in sampled:  # output i is prompt i's: a trace whose counts differ cannot be replayed
+            if setting.outputs and len(setting.outputs) != len(prompts):
+                raise ValueError(f"acceptance trace {path}: the sampled setting T={setting.temperature:g} keeps "
+                                 f"{len(setting.outputs)} outputs for {len(prompts)} prompts; measure it again")
         return cls(prompts, int(data["depth"]), data.get("source", ""), sampled)
 
     def sampled_at(self, temperature: float, top_p: float = 1.0, top_k: int = 0) -> SampledAcceptance | None:

@@ -384,6 +384,8 @@ def _adapted_mlps(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[str
         return
     layers = _decoder_layers(model)
     for i in range(config.inject_layer, len(layers)) if config.layers is None else config.layers:
+        if not isinstance(getattr(layers[i], "mlp", None), nn.Module):
+            raise ValueError(f"mlp_width needs decoder layers with an `mlp` module; layer {i} of this model has none")
         yield str(i), layers[i].mlp
 
 

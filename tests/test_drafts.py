@@ -90,6 +90,12 @@ def test_the_acceptance_trace_of_chat_prompts_is_taken_under_the_chat_template(d
     assert "--prompts" in trace.source and len(trace.sampled) == len(acceptance.SAMPLED)
     # each setting keeps its sampled output of the prompt: the planner finds prompt lookup's copies there
     assert all(len(s.outputs) == 1 and 0 < len(s.outputs[0]) <= 6 for s in trace.sampled)
+    # --sampled-only pairs output i with the kept trace's prompt i: other prompts are refused, the trace kept
+    (tmp_path / "other.jsonl").write_text(json.dumps({"prompt": "Name two fruits.", "kind": "chat"}) + "\n")
+    before = out.read_text()
+    with pytest.raises(SystemExit) as exit_:
+        acceptance.main(["--prompts", str(tmp_path / "other.jsonl"), "--sampled-only", "--out", str(out)])
+    assert exit_.value.code == 2 and out.read_text() == before
     assert sorted(set(decodes)) == [(False, True), (True, True)]
     # A prompt file that cannot be read is refused before the model loads.
     (tmp_path / "bad.jsonl").write_text("{not json\n")

@@ -251,16 +251,21 @@ def test_the_shipped_trace_measured_the_pages_own_sampling_defaults():
     assert (shipped.temperature, shipped.top_p, shipped.top_k) == page
 
 
-def test_a_trace_file_without_top_k_loads_as_sampled_without_it(tmp_path):
-    """Traces measured before top-k was recorded (their settings had none) still load."""
+def test_a_trace_file_without_top_k_or_sampled_outputs_loads_as_sampled_without_them(tmp_path):
+    """Traces measured before top-k and the sampled outputs were recorded still load (and replay over greedy
+    text); a trace whose sampled outputs do not pair with its prompts is refused by name."""
     trace = synthetic_trace(prompts=1, length=10)
     trace.sampled = [sampled([[0.5]], temperature=0.7, top_p=0.95)]
     trace.save(tmp_path / "acceptance.json")
     data = json.loads((tmp_path / "acceptance.json").read_text())
     for setting in data["sampled"]:
-        del setting["top_k"]
+        del setting["top_k"], setting["outputs"]
     (tmp_path / "acceptance.json").write_text(json.dumps(data))
     assert Trace.load(tmp_path / "acceptance.json").sampled == trace.sampled
+    data["sampled"][0]["outputs"] = [[1, 2], [3, 4]]  # two outputs, one prompt
+    (tmp_path / "acceptance.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="T=0.7 keeps 2 outputs for 1 prompts; measure it again"):
+        Trace.load(tmp_path / "acceptance.json")
 
 
 def test_trace_round_trips_through_its_file(tmp_path):

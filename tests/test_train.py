@@ -534,6 +534,10 @@ def test_a_run_may_add_sat_only_mlp_neurons_to_a_trained_adapter(tmp_path, real_
     assert not torch.allclose(two_sat_logits(loaded), before), "the neurons are part of the SATs' function"
     loaded.adapter.detach()
 
+    split, _ = prepare(tiny_adapter_config(tmp_path / "split", mlp_width=8, per_position=True,
+                                           init_from=str(tmp_path / "mlp" / "sats")), model, real_tokenizer)
+    assert torch.allclose(two_sat_logits(split), before, atol=1e-6), "split per position, the neurons kept"
+    split.adapter.detach()
     with pytest.raises(ValueError, match="its mlp_width is 8, this run's is 16; train with --mlp-width to match"):
         prepare(tiny_adapter_config(tmp_path / "wider", mlp_width=16, init_from=str(tmp_path / "mlp" / "sats")),
                 model, real_tokenizer)

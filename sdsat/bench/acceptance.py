@@ -146,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
               f"python -m sdsat.bench.acceptance {flag} --max-new-tokens {args.max_new_tokens}")
     if args.sampled_only:
         trace = Trace.load(out)
+        kept = [p.prompt_ids for p in trace.prompts]
+        if kept != [engine.encode(p.text, chat=p.kind == "chat") for p in prompts]:
+            parser.error(f"--sampled-only: the prompts of {out} are not these ({which}); pass the prompts it was "
+                         "measured on, or measure it whole")
     else:
         traces = []
         for prompt in prompts:
@@ -160,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     trace.sampled = []
     for temperature, top_p, top_k in SAMPLED:
         trace.sampled.append(sampled_acceptance(engine, prompts, temperature, top_p, top_k, args.max_new_tokens))
-        print(f"sampled T={temperature:g} top-p {top_p:g} top-k {top_k}: {trace.sampled[-1].to_dict()}",
-              file=sys.stderr)
+        rates = {k: v for k, v in trace.sampled[-1].to_dict().items() if k != "outputs"}
+        print(f"sampled T={temperature:g} top-p {top_p:g} top-k {top_k}: {rates}", file=sys.stderr)
     trace.save(out)
     print(f"wrote {out}")
     return 0

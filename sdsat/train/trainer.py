@@ -345,7 +345,7 @@ def warm_start(adapter: SatAdapter, folder: Path) -> None:
 
 def _per_position(shared: SatAdapter) -> SatAdapter:
     """The same function with one copy of the shared LoRA updates per SAT position (each SAT row's own block of
-    A's columns and B's rows reproduces the shared update exactly)."""
+    A's columns and B's rows reproduces the shared update exactly); SAT-only MLP neurons stay shared."""
     config = replace(shared.config, per_position=True)
     split = SatAdapter(config)
     K = config.num_sats
@@ -355,6 +355,9 @@ def _per_position(shared: SatAdapter) -> SatAdapter:
         for key in shared.lora_a:
             split.lora_a[key] = nn.Parameter(shared.lora_a[key].detach().repeat(1, K))
             split.lora_b[key] = nn.Parameter(shared.lora_b[key].detach().repeat(K, 1))
+        for name in ("mlp_in", "mlp_out"):
+            for key, value in getattr(shared, name).items():
+                getattr(split, name)[key] = nn.Parameter(value.detach().clone())
     return split
 
 
