@@ -367,12 +367,16 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return inner.layers
 
 
+def _adapted_layers(config: AdapterConfig, count: int) -> range | list[int]:
+    """The decoder layers an adapter updates: `layers`, or inject_layer and above of `count`."""
+    return range(config.inject_layer, count) if config.layers is None else config.layers
+
+
 def _target_linears(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[str, nn.Linear]]:
     layers = _decoder_layers(model)
-    indices = range(config.inject_layer, len(layers)) if config.layers is None else config.layers
     if config.rank == 0:
         return
-    for i in indices:
+    for i in _adapted_layers(config, len(layers)):
         for name, module in layers[i].named_modules():
             if name.split(".")[-1] in config.target_modules and isinstance(module, nn.Linear):
                 yield f"{i}_{name.replace('.', '_')}", module
@@ -383,7 +387,7 @@ def _adapted_mlps(model: nn.Module, config: AdapterConfig) -> Iterator[tuple[str
     if config.mlp_width == 0:
         return
     layers = _decoder_layers(model)
-    for i in range(config.inject_layer, len(layers)) if config.layers is None else config.layers:
+    for i in _adapted_layers(config, len(layers)):
         if not isinstance(getattr(layers[i], "mlp", None), nn.Module):
             raise ValueError(f"mlp_width needs decoder layers with an `mlp` module; layer {i} of this model has none")
         yield str(i), layers[i].mlp
