@@ -145,7 +145,7 @@ def _record(index: int, kv_before: int, proposal: Proposal, verdict: Verdict, to
         accepted=verdict.accepted, tokens=tokens, sources=sources, probs=probs, pass_seconds=pass_seconds,
         kv_len=kv_len, elapsed=elapsed, draft_ranks=ranks, candidates=len(proposal.drafts),
         tree_paths=[list(path) for path in tree.paths] if tree else [], tree_tokens=verdict.node_tokens,
-        accept_tests=tests)
+        accept_tests=tests, conditioned=proposal.conditioned)
 
 
 def _cut_at_stop(stop: StopChecker, tokens: list[int], sources: list[str], probs: list[float]):

@@ -15,6 +15,10 @@ the draft distribution q_j.
 * `Fused`: each verify pass also drafts the next block, so after the first iteration there is no
   draft pass at all.
 
+Where the SAT adapter has a sampler head beside it (head.py), every draft pass drafts through it: draft 1
+is conditioned on t, draft j on draft j - 1, and q is the head's own distribution. The fused scheme's
+later drafts come from its verify pass and stay the SATs' own.
+
 A new drafter is one class here plus a line in `drafter_for`.
 """
 
@@ -26,6 +30,7 @@ from typing import Protocol
 import torch
 
 from .config import DecodeConfig
+from .head import head_drafts
 from .kvcache import rollback
 from .sampling import TokenChooser
 from .sat import SatModel
@@ -69,6 +74,7 @@ class Proposal:
     certain: list[int] = field(default_factory=list)  # [t] after a draft pass: emitted before the verified ones
     certain_probs: list[float] = field(default_factory=list)
     draft_pass_seconds: float | None = None  # None: no draft pass ran
+    conditioned: bool = False  # a sampler head drafted: draft 1 conditioned on t, draft j on draft j - 1
 
     @property
     def is_copy(self) -> bool:
@@ -83,17 +89,36 @@ class Drafter(Protocol):
 
 def draft_pass(ctx: DraftContext, k: int) -> tuple[int, float, torch.Tensor, float]:
     """Feed [pending, SAT x k]: returns t, p(t), q (k, V) and the pass's seconds. The pending tokens stay
-    in the cache, the SATs leave it."""
+    in the cache, the SATs leave it. With a sampler head, row j of q is conditioned on the first draw of
+    row j - 1 (on t for row 1): `conditioned_draft_pass` gives those draws too."""
+    t, p_t, q, _, seconds = conditioned_draft_pass(ctx, k)
+    return t, p_t, q, seconds
+
+
+def conditioned_draft_pass(ctx: DraftContext, k: int) -> tuple[int, float, torch.Tensor, torch.Tensor | None, float]:
+    """`draft_pass`, plus the drafts (k,) the head drew, each conditioned on the one before it; None without
+    a sampler head (then each SAT's q is its own, blind to t and to the drafts before it)."""
     sat_model, cache = ctx.sat_model, ctx.cache
     start, device = ctx.clock.now(), sat_model.device
     kv_before, n = cache.get_seq_length(), len(ctx.pending)
     ids = torch.tensor([ctx.pending + [0] * k], device=device)
     slots = torch.cat([torch.full((n,), -1, device=device), sat_model.sat_block(k)])[None]
-    logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=k + 1)[0]  # (1 + k, V)
+    head = sat_model.sampler if sat_model.plain_head else None  # the head reads hidden states: logits = head(h)
+    if head is None:
+        logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=k + 1)[0]  # (1 + k, V)
+    else:
+        hidden = sat_model.hidden_states(ids, slots, cache=cache)[0, -(k + 1):]  # (1 + k, H)
+        logits = sat_model.head(hidden)  # what forward's logits_to_keep=k + 1 computes
     rollback(cache, kv_before + n)
     t, p_t = ctx.chooser.choose(logits[:1])
-    q = ctx.chooser.probs(logits[1:])  # q_i: the SAT's distribution for draft i
-    return int(t[0]), float(p_t[0]), q, ctx.clock.now() - start
+    if head is None:
+        q, drafts = ctx.chooser.probs(logits[1:]), None  # q_i: the SAT's distribution for draft i
+    else:
+        embed_in = sat_model.model.get_input_embeddings().weight
+        embed_out = sat_model.model.get_output_embeddings().weight
+        q, drafts = head_drafts(head, hidden[1:], logits[1:], int(t[0]), embed_in, embed_out, ctx.chooser.probs,
+                                ctx.chooser.draw)
+    return int(t[0]), float(p_t[0]), q, drafts, ctx.clock.now() - start
 
 
 class SatChain:
@@ -106,13 +131,14 @@ class SatChain:
         self.recent = float(k)  # exponential average of accepted drafts
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        t, p_t, q, seconds = draft_pass(ctx, self.k)
-        proposal = self._candidates(ctx, t, q)
+        t, p_t, q, drafts, seconds = conditioned_draft_pass(ctx, self.k)
+        proposal = self._candidates(ctx, t, q, drafts)
         proposal.certain, proposal.certain_probs, proposal.draft_pass_seconds = [t], [p_t], seconds
+        proposal.conditioned = drafts is not None
         return proposal
 
-    def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor) -> Proposal:
-        drafts = ctx.chooser.draw(q)
+    def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor, drafts: torch.Tensor | None) -> Proposal:
+        drafts = ctx.chooser.draw(q) if drafts is None else drafts  # the head's draws: what each next row saw
         return Proposal(kind=self.kind, start=t, k=self.k, drafts=drafts, q=q, ranks=top_ranks(ctx, drafts))
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
@@ -130,7 +156,10 @@ class SatTree(SatChain):
         super().__init__(k, adaptive)
         self.extra = extra
 
-    def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor) -> Proposal:
+    def _candidates(self, ctx: DraftContext, t: int, q: torch.Tensor, drafts: torch.Tensor | None) -> Proposal:
+        # With a sampler head, depth j's q was conditioned on the head's draw at depth j - 1 (greedy: the top
+        # one, so the chain's path). Fresh draws from those q are still exact: each depth's q was fixed before
+        # its draws, whatever it was conditioned on; only off-path nodes are drafted from a less fitting q.
         tree = DraftTree.for_k(len(q), self.extra)
         draws, valid = ctx.chooser.draw_ranked(q, tree.width)
         return Proposal(kind=self.kind, start=t, k=self.k, drafts=tree.node_tokens(draws), q=q,
@@ -182,10 +211,11 @@ class Fused:
             q, drafts = self.next
             return Proposal(kind="fused", start=ctx.pending[0], k=self.k, drafts=drafts, q=q, draft_next=self.k,
                             ranks=top_ranks(ctx, drafts))
-        t, p_t, q, seconds = draft_pass(ctx, self.k)
-        drafts = ctx.chooser.draw(q)
+        t, p_t, q, drafts, seconds = conditioned_draft_pass(ctx, self.k)
+        drafts = ctx.chooser.draw(q) if drafts is None else drafts
         return Proposal(kind="fused", start=t, k=self.k, drafts=drafts, q=q, draft_next=self.k,
-                        ranks=top_ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds)
+                        ranks=top_ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds,
+                        conditioned=getattr(ctx.sat_model, "sampler", None) is not None and ctx.sat_model.plain_head)
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
         self.next = (verdict.next_q, verdict.next_drafts)

@@ -32,6 +32,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .head import head_beside
+
 SPEC_FILE = "sat_spec.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -449,6 +451,10 @@ class SatModel:
             spec.max_k = min(spec.max_k, adapter.config.num_sats)
             adapter.attach(model)
         self.model, self.spec, self.adapter = model, spec, adapter
+        # The sampler head saved beside the adapter, if any (head.py): it conditions each draft on the token before it.
+        self.sampler = head_beside(spec.adapter) if spec.kind == "adapter" else None
+        if self.sampler is not None:
+            self.sampler.to(self.device)
 
     @property
     def max_k(self) -> int:

@@ -1,0 +1,148 @@
+"""The sampler head: each SAT draft conditioned on the token before it.
+
+A SAT row is computed in the same pass as the certain token t, so on its own SAT 1 guesses the token after
+a token it cannot see, and SAT j guesses without drafts 1..j-1. The head closes that gap cheaply: it
+rescores SAT j's own top-K candidates with a small MLP over [SAT j's final hidden state h_j (after the
+final norm), the input embedding of the token before the draft (t for draft 1, draft j-1 after that)]:
+
+    u_j      = MLP(h_j, E_in[prev], j)                      (H,) a correction in the output-embedding space
+    score_c  = z_j[c] + u_j . E_out[c]   for c in top-K(z_j)  z_j = E_out h_j: the SAT's own logits
+
+which is the logits row of the shifted state h_j + u_j, read at the K candidates only (a full-vocabulary
+product per draft, sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
+distribution q_j is the head's exact one: the sampler's warpers and softmax over a row that is -inf
+outside the K candidates, so the accept test min(1, p/q) and the residual stay exact.
+
+Files, beside the SAT adapter: ``sampler_head.safetensors`` and ``sampler_head.json`` (`HeadConfig`);
+loading is the exact inverse of saving. Training: sdsat/train/head.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+HEAD_CONFIG_FILE = "sampler_head.json"
+HEAD_WEIGHTS_FILE = "sampler_head.safetensors"
+
+
+@dataclass
+class HeadConfig:
+    """Shape of a sampler head; saved as sampler_head.json."""
+
+    base_model: str  # the base model it was trained for (informational)
+    hidden_size: int  # H: the base model's hidden size
+    num_sats: int = 5  # SAT positions with a learned bias of their own (= the adapter's largest k)
+    width: int = 512  # hidden units of the MLP
+    depth: int = 1  # hidden layers of the MLP (1: one hidden layer; 2: the two-layer variant)
+    candidates: int = 16  # K: each SAT's top-K candidates are rescored; the others get no mass
+
+
+class SamplerHead(nn.Module):
+    """u = MLP([norm(h), norm(E_in[prev])] + bias of position j); scores of the K candidates: z + u . E_out."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        hidden, width = config.hidden_size, config.width
+        self.norm_h = nn.LayerNorm(hidden)
+        self.norm_prev = nn.LayerNorm(hidden)
+        self.inp = nn.Linear(2 * hidden, width)
+        self.position = nn.Parameter(torch.zeros(config.num_sats, width))  # (num_sats, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(config.depth - 1))
+        self.out = nn.Linear(width, hidden)
+        with torch.no_grad():  # u = 0 at the start: the head begins as the SAT's own ranking
+            self.out.weight.zero_()
+            self.out.bias.zero_()
+
+    def correction(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """h (N, H) SAT hidden states, prev (N, H) input embeddings of the tokens before, slot (N,) j - 1
+        -> u (N, H)."""
+        x = torch.cat([self.norm_h(h), self.norm_prev(prev)], -1)
+        x = nn.functional.gelu(self.inp(x) + self.position[slot.clamp(max=self.config.num_sats - 1)])  # later
+        # SATs than it was trained for share the last position's bias
+        for layer in self.layers:
+            x = nn.functional.gelu(layer(x))
+        return self.out(x)
+
+    def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand_emb: torch.Tensor,
+               cand_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K candidates' scores (N, K) and the correction u (N, H); cand_emb (N, K, H) their output
+        embeddings, cand_logits (N, K) their SAT logits z."""
+        u = self.correction(h, prev, slot)
+        return cand_logits + torch.einsum("nh,nkh->nk", u.to(cand_emb.dtype), cand_emb).to(cand_logits.dtype), u
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
+               embed_in: torch.Tensor, embed_out: torch.Tensor) -> torch.Tensor:
+        """The head's logits (N, V) float32: the K candidates' scores, -inf elsewhere.
+
+        Args:
+            hidden: (N, H) SAT rows' final hidden states; z: (N, V) their logits (the SATs' own).
+            prev: (N,) the token before each draft; slot: (N,) each SAT's index j - 1 in its run.
+            embed_in / embed_out: (V, H) the model's input and output embeddings.
+        Decoding (one row at a time) and the drafts benchmark (every row at once) both go through this.
+        """
+        cand_logits, cand = z.float().topk(self.config.candidates, dim=-1)  # (N, K) each
+        dtype = self.inp.weight.dtype
+        u = self.correction(hidden.to(dtype), embed_in[prev].to(dtype), slot)  # (N, H)
+        scores = cand_logits + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
+        return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
+
+    def save(self, folder: str | Path) -> None:
+        """float32 weights: they load back bit-exactly."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()},
+                  str(folder / HEAD_WEIGHTS_FILE))
+        (folder / HEAD_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "SamplerHead":
+        folder = Path(folder)
+        try:
+            config = HeadConfig(**json.loads((folder / HEAD_CONFIG_FILE).read_text()))
+            tensors = load_file(str(folder / HEAD_WEIGHTS_FILE))
+        except (json.JSONDecodeError, TypeError, SafetensorError, OSError) as err:
+            raise ValueError(f"sampler head in {folder} is unreadable ({err}); re-save or re-train it") from err
+        head = cls(config)
+        try:
+            head.load_state_dict(tensors)
+        except RuntimeError as err:
+            raise ValueError(f"sampler head in {folder} does not match its {HEAD_CONFIG_FILE} ({err})") from err
+        return head.eval()
+
+
+def head_beside(adapter_folder: str | Path | None) -> SamplerHead | None:
+    """The sampler head saved beside a SAT adapter, or None where there is none."""
+    if adapter_folder is None or not (Path(adapter_folder) / HEAD_CONFIG_FILE).is_file():
+        return None
+    return SamplerHead.load(adapter_folder)
+
+
+def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t: int, embed_in: torch.Tensor,
+                embed_out: torch.Tensor, warp, draw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts 1..k in turn, each conditioned on the one before it (draft 1 on t).
+
+    Args:
+        hidden: (k, H) the SAT rows' final hidden states; logits: (k, V) their logits z.
+        warp: (N, V) logits -> (N, V) the sampler's distribution (TokenChooser.probs);
+        draw: (N, V) distributions -> (N,) tokens (TokenChooser.draw).
+    Returns q (k, V), each row the exact distribution its draft was drawn from, and the drafts (k,).
+    """
+    rows, drafts, prev = [], [], t
+    device = logits.device
+    for j in range(len(hidden)):
+        row = head.logits(hidden[j:j + 1], logits[j:j + 1], torch.tensor([prev], device=device),
+                          torch.tensor([j], device=device), embed_in, embed_out)
+        q = warp(row)  # (1, V)
+        prev = int(draw(q)[0])
+        rows.append(q)
+        drafts.append(prev)
+    return torch.cat(rows), torch.tensor(drafts, device=logits.device)
