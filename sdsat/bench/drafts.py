@@ -13,6 +13,10 @@ SAT j's, both warped), given the history up to it is the one sampled. The table 
 and the mean over positions of its product over SATs 1..j, which is how often a chain's first j drafts
 pass where the draft pass sees that history.
 
+An adapter folder with a sampler head beside it (head.py) drafts through the head: SAT j conditioned on the
+output token before the one it drafts (`along_head`), which is what decoding feeds it wherever drafts
+1..j - 1 were accepted; q is the head's distribution.
+
 This is acceptance in decoding, not on training text, and it compares adapters on the same outputs at a
 draft pass per position: what a learning curve needs. Speed is the benchmark's job
 (`python -m sdsat.bench --adapter DIR`).
@@ -59,6 +63,34 @@ def along(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tu
     return teacher.view(runs, k, -1), student.view(runs, k, -1), truth.view(runs, k)
 
 
+def along_head(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tuple[torch.Tensor, ...]:
+    """`along` for an adapter with a sampler head (head.py): the SATs' logits are the head's, SAT j conditioned on
+    the output token before the one it drafts (t for SAT 1), which is draft j - 1 wherever drafts 1..j - 1 were
+    accepted. Same shapes as `along`."""
+    from transformers import DynamicCache
+
+    from ..layout import SatLayout
+
+    seq, runs = prompt_ids + output_ids, len(output_ids) - k
+    n, device, model = len(seq), sat_model.device, sat_model.model
+    layout = SatLayout.runs_at(n, torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + runs), k)
+    mask, positions = layout.attention_mask().to(device), layout.position_ids.to(device)
+    tokens = torch.tensor([seq], device=device)
+    where = layout.target_positions.to(device)  # (R k,) the position each SAT stands for
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        standard = sat_model.hidden_states(tokens, cache=cache, attention_mask=mask[..., :n, :n],
+                                           position_ids=positions[:, :n])[0]
+        sats = sat_model.hidden_states(torch.zeros(1, layout.num_sats, dtype=torch.long, device=device),
+                                       layout.sat_slots.to(device)[:, n:], cache=cache,
+                                       attention_mask=mask[..., n:, :], position_ids=positions[:, n:])[0]
+        teacher = sat_model.head(standard[where])
+        student = sat_model.sampler.logits(sats, sat_model.head(sats), tokens[0, where], layout.slot.to(device),
+                                           model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    truth = tokens[0, where + 1]
+    return teacher.view(runs, k, -1), student.view(runs, k, -1), truth.view(runs, k)
+
+
 def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_new_tokens: int,
             sampled: tuple[tuple[float, float], ...] = (), log=lambda line: None) -> dict:
     """{suite: {"passes": n, "acceptance": {adapter: [draft 1..k]}, "sampled T,top_p": {"passes": n,
@@ -90,10 +122,11 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
         if adapter.config.num_sats < k:
             raise ValueError(f"k must be at most the adapter's {adapter.config.num_sats} SATs ({folder}); got {k}")
         sat_model = SatModel(base.model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter)
+        draws = along_head if sat_model.sampler is not None and sat_model.plain_head else along
         try:
             for name, runs in outputs.items():
                 matches = [(student.argmax(-1) == truth).long() for ids, out in runs["greedy"] if len(out) > k
-                           for _, student, truth in [along(sat_model, ids, out, k)]]
+                           for _, student, truth in [draws(sat_model, ids, out, k)]]
                 misses = torch.cat(matches).ne(1).long().tolist() if matches else []  # every output ended early
                 acceptance, passes = cumulative_acceptance(misses, k)
                 results[name]["passes"] = passes
@@ -105,7 +138,7 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
                     rates = torch.cat([torch.zeros(0, k, device=sat_model.device)] +
                                       [torch.minimum(warped(teacher), warped(student)).sum(-1)
                                        for ids, out in runs[label] if len(out) > k
-                                       for teacher, student, _ in [along(sat_model, ids, out, k)]])
+                                       for teacher, student, _ in [draws(sat_model, ids, out, k)]])
                     entry = results[name][label]
                     entry["passes"] = len(rates)
                     entry["pass_rate"][str(folder)] = [round(float(a), 4) for a in rates.mean(0).nan_to_num()]
@@ -115,6 +148,52 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
         finally:
             adapter.detach()
     return results
+
+
+def draft_pass_cost(engine, adapters: list[Path], k: int, context: int = 256, repeats: int = 30,
+                    seed: int = 0) -> dict:
+    """Median seconds of a one-token pass and of each adapter's draft pass [c, SAT x k] (with its sampler head's
+    k drafts where it has one), interleaved round by round on a cache of `context` tokens, and each draft pass
+    relative to the one-token pass: {"one_token_s": s, "draft_s": {adapter: s}, "relative": {adapter: x}}."""
+    import statistics
+
+    from transformers import DynamicCache
+
+    from ..drafters import DraftContext, conditioned_draft_pass
+    from ..kvcache import rollback
+    from ..sampling import SamplingConfig, TokenChooser
+    from ..sat import SatAdapter, SatModel, SatSpec
+    from ..timing import Clock
+
+    model = engine.sat_model.model
+    models = {str(folder): SatModel(model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)),
+                                    SatAdapter.load(folder)) for folder in adapters}
+    gen = torch.Generator().manual_seed(seed)
+    vocab, device = model.get_input_embeddings().weight.shape[0], engine.sat_model.device
+    cache = DynamicCache(config=model.config)
+    chooser = TokenChooser(SamplingConfig(), device)
+    times = {"one": []} | {name: [] for name in models}
+    try:
+        with torch.inference_mode():
+            engine.sat_model.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache,
+                                     logits_to_keep=1)
+            for _ in range(repeats + 1):  # the first round warms up and is dropped
+                token = int(torch.randint(0, vocab, (1,), generator=gen))
+                clock = Clock(device)
+                start = clock.now()
+                engine.sat_model.forward(torch.tensor([[token]], device=device), cache=cache, logits_to_keep=1)
+                times["one"].append(clock.now() - start)
+                rollback(cache, context)
+                for name, sat_model in models.items():
+                    ctx = DraftContext(sat_model, chooser, cache, [token], [token], k, clock)
+                    times[name].append(conditioned_draft_pass(ctx, k)[-1])
+                    rollback(cache, context)
+    finally:
+        for sat_model in models.values():
+            sat_model.adapter.detach()
+    one = statistics.median(times.pop("one")[1:])
+    draft = {name: statistics.median(values[1:]) for name, values in times.items()}
+    return {"one_token_s": one, "draft_s": draft, "relative": {name: round(s / one, 3) for name, s in draft.items()}}
 
 
 def sampling_settings(values: list[str]) -> list[tuple[float, float]]:
@@ -154,6 +233,9 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
     parser.add_argument("--model", default=None, metavar="ID_OR_DIR", help="base model (default: the embedded one)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    parser.add_argument("--pass-cost", type=int, default=0, metavar="REPEATS",
+                        help="only time each adapter's draft pass (its head's drafts included) against a one-token "
+                             "pass, this many interleaved rounds, and skip acceptance")
     parser.add_argument("--out", metavar="FILE", help="also write the results here as JSON")
     args = parser.parse_args(argv)
     for name, value, low in (("k", args.k, 1), ("max_new_tokens", args.max_new_tokens, args.k + 1)):
@@ -175,6 +257,16 @@ def _main(argv: list[str] | None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pass_cost:
+        engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, measure_kernels=False))
+        cost = draft_pass_cost(engine, adapters, args.k, repeats=args.pass_cost)
+        command = "python -m sdsat.bench.drafts " + " ".join(argv if argv is not None else sys.argv[1:])
+        if args.out:
+            Path(args.out).write_text(json.dumps({"command": command, "dtype": args.dtype, **cost}, indent=1) + "\n")
+        print(f"one-token pass {cost['one_token_s'] * 1e3:.1f} ms; draft pass [c, SAT x {args.k}] relative to it:")
+        for folder, relative in cost["relative"].items():
+            print(f"  {folder}  {cost['draft_s'][folder] * 1e3:.1f} ms  {relative:.2f}x")
+        return 0
     suites = {f"HumanEval {args.humaneval}": humaneval_prompts(args.humaneval)} if args.humaneval else {}
     suites.update({Path(p).stem: file_prompts(p) for p in args.prompts})
     engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, measure_kernels=False))

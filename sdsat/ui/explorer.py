@@ -96,6 +96,8 @@ def _head(v: _View, iterations: int) -> str:
             + (f"{v.k} tokens copied by prompt lookup" if v.copied else f"k = {v.k} adaptive tokens")
             + (f" · the verify pass checked {step.candidates} candidates (a draft tree: the SATs' runner-ups too); "
                "shown is the path it walked" if step.candidates > len(step.drafts) else "")
+            + (" · drafts from the sampler head: d1 conditioned on t, each later draft on the one before it"
+               if step.conditioned else "")
             + f' · cache {step.kv_len_before} → {step.kv_len} tokens · {passes} · emitted <b>{len(step.tokens)}</b> '
             f'tokens for {step.forward_passes} forward pass{"es" if v.drafted else ""}</div>')
 
@@ -125,9 +127,9 @@ def _draft_rows(v: _View) -> list[tuple[str, list[str]]]:
             ranks, name = step.draft_ranks or [0] * k, _rank_name(v)
             out1 += [_chip(word(dj, ""), "draft", f"draft d{j}: " + (
                          f"the SAT's {name(ranks[j - 1])}" if v.record.greedy else
-                         f"the {name(ranks[j - 1])} from SAT {j}'s q"))
+                         f"the {name(ranks[j - 1])} from SAT {j}'s q") + _conditioned_on(step, j, long=True))
                      + _sub(f"d{j} · q={step.draft_probs[j - 1]:.2f}"
-                            + (f" · {name(ranks[j - 1])}" if ranks[j - 1] else ""))
+                            + (f" · {name(ranks[j - 1])}" if ranks[j - 1] else "") + _conditioned_on(step, j))
                      for j, dj in enumerate(step.drafts, start=1)]
         rows.append(("Step 1 · draft pass fed", _pad(fed1, k + 2)))
         rows.append(("Step 1 · predicted", _pad(out1, k + 2)))
@@ -139,6 +141,15 @@ def _draft_rows(v: _View) -> list[tuple[str, list[str]]]:
             _chip(word(tok, ""), "copy", f"l{j}: the token that followed this text where it occurred before")
             + _sub(f"l{j}") for j, tok in enumerate(step.drafts, start=1)], v.k + 2)))
     return rows
+
+
+def _conditioned_on(step: StepRecord, j: int, long: bool = False) -> str:
+    """What draft j was conditioned on: with a sampler head, t for draft 1, the draft before it after that; a
+    SAT alone sees neither."""
+    if not step.conditioned:
+        return ", blind to t and to the drafts before it" if long and step.draft_pass else ""
+    before = "t" if j == 1 else f"d{j - 1}"
+    return f", by the sampler head, conditioned on {before}" if long else f" · after {before}"
 
 
 def _verify_rows(v: _View) -> list[tuple[str, list[str]]]:
