@@ -25,6 +25,7 @@ draft pass per position: what a learning curve needs. Speed is the benchmark's j
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -63,38 +64,58 @@ def along(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tu
     return teacher.view(runs, k, -1), student.view(runs, k, -1), truth.view(runs, k)
 
 
-def along_head(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tuple[torch.Tensor, ...]:
-    """`along` for an adapter with a sampler head (head.py): the SATs' logits are the head's, SAT j conditioned on
-    the output token before the one it drafts (t for SAT 1), which is draft j - 1 wherever drafts 1..j - 1 were
-    accepted. Same shapes as `along`."""
+def along_head(sat_model, prompt_ids: list[int], output_ids: list[int], k: int,
+               kept: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """`along` through the final hidden states, and through the sampler head where the adapter has one
+    (head.py): SAT j is then conditioned on the output token before the one it drafts (t for SAT 1), which is
+    draft j - 1 wherever drafts 1..j - 1 were accepted. Same shapes as `along`. The hidden states depend on the
+    adapter only, so `kept` ({(adapter weights, ids, output): states}) lets heads on one adapter share them."""
+    seq, runs = prompt_ids + output_ids, len(output_ids) - k
+    key = (str(Path(sat_model.spec.adapter or "").resolve() / "adapter_model.safetensors"), tuple(seq),
+           len(prompt_ids), k)
+    states = kept.get(key) if kept is not None else None
+    if states is None:
+        states = _states_along(sat_model, prompt_ids, output_ids, k)
+        if kept is not None:
+            kept[key] = states
+    standard, sats, slot = states
+    model, device = sat_model.model, sat_model.device
+    tokens = torch.tensor(seq, device=device)
+    where = torch.arange(len(prompt_ids), len(prompt_ids) + runs, device=device).repeat_interleave(k) + slot
+    with torch.inference_mode():
+        teacher, z = sat_model.head(standard), sat_model.head(sats)
+        student = z if sat_model.sampler is None else sat_model.sampler.logits(
+            sats, z, tokens[where], slot, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return teacher.view(runs, k, -1), student.view(runs, k, -1), tokens[where + 1].view(runs, k)
+
+
+def _states_along(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tuple[torch.Tensor, ...]:
+    """The final hidden states `along_head` reads: at the positions the SATs stand for (R k, H), of the SATs
+    (R k, H), and each SAT's slot (R k,)."""
     from transformers import DynamicCache
 
     from ..layout import SatLayout
 
     seq, runs = prompt_ids + output_ids, len(output_ids) - k
-    n, device, model = len(seq), sat_model.device, sat_model.model
+    n, device = len(seq), sat_model.device
     layout = SatLayout.runs_at(n, torch.arange(len(prompt_ids) - 1, len(prompt_ids) - 1 + runs), k)
     mask, positions = layout.attention_mask().to(device), layout.position_ids.to(device)
-    tokens = torch.tensor([seq], device=device)
-    where = layout.target_positions.to(device)  # (R k,) the position each SAT stands for
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        standard = sat_model.hidden_states(tokens, cache=cache, attention_mask=mask[..., :n, :n],
-                                           position_ids=positions[:, :n])[0]
+        cache = DynamicCache(config=sat_model.model.config)
+        standard = sat_model.hidden_states(torch.tensor([seq], device=device), cache=cache,
+                                           attention_mask=mask[..., :n, :n], position_ids=positions[:, :n])[0]
         sats = sat_model.hidden_states(torch.zeros(1, layout.num_sats, dtype=torch.long, device=device),
                                        layout.sat_slots.to(device)[:, n:], cache=cache,
                                        attention_mask=mask[..., n:, :], position_ids=positions[:, n:])[0]
-        teacher = sat_model.head(standard[where])
-        student = sat_model.sampler.logits(sats, sat_model.head(sats), tokens[0, where], layout.slot.to(device),
-                                           model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    truth = tokens[0, where + 1]
-    return teacher.view(runs, k, -1), student.view(runs, k, -1), truth.view(runs, k)
+    return standard[layout.target_positions.to(device)], sats, layout.slot.to(device)
 
 
 def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_new_tokens: int,
-            sampled: tuple[tuple[float, float], ...] = (), log=lambda line: None) -> dict:
+            sampled: tuple[tuple[float, float], ...] = (), log=lambda line: None, given: dict | None = None) -> dict:
     """{suite: {"passes": n, "acceptance": {adapter: [draft 1..k]}, "sampled T,top_p": {"passes": n,
-    "pass_rate": {adapter: [SAT 1..k]}, "acceptance": {adapter: [drafts 1..k]}}}} over each suite's prompts."""
+    "pass_rate": {adapter: [SAT 1..k]}, "acceptance": {adapter: [drafts 1..k]}}}} over each suite's prompts.
+    `given` ({suite: {"greedy" or "sampled T,top_p": [(prompt ids, output ids)]}}) supplies vanilla's outputs of
+    those suites (`outputs_from`), which are then not decoded again."""
     from ..config import DecodeConfig
     from ..decoding import collect
     from ..sampling import SamplingConfig, TokenChooser
@@ -103,8 +124,10 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
     base = engine.sat_model
     settings = [(f"sampled {t:g},{p:g}", SamplingConfig(do_sample=True, temperature=t, top_p=p, seed=0))
                 for t, p in sampled]
-    outputs = {}
+    outputs, kept = dict(given or {}), {}
     for name, prompts in suites.items():
+        if name in outputs:
+            continue
         outputs[name] = {"greedy": []} | {label: [] for label, _ in settings}
         for i, prompt in enumerate(prompts):
             ids = engine.encode(prompt.text, chat=prompt.kind == "chat")
@@ -116,13 +139,14 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
                 outputs[name][label].append((ids, collect(engine.stream(ids, config)).token_ids))
         log(f"{name}: vanilla output of {len(prompts)} prompts")
     results = {name: {"passes": 0, "acceptance": {}} | {label: {"passes": 0, "pass_rate": {}, "acceptance": {}}
-                                                         for label, _ in settings} for name in suites}
+                                                         for label, _ in settings if label in outputs[name]}
+               for name in outputs}
     for folder in adapters:
         adapter = SatAdapter.load(folder)
         if adapter.config.num_sats < k:
             raise ValueError(f"k must be at most the adapter's {adapter.config.num_sats} SATs ({folder}); got {k}")
         sat_model = SatModel(base.model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter)
-        draws = along_head if sat_model.sampler is not None and sat_model.plain_head else along
+        draws = functools.partial(along_head, kept=kept) if sat_model.plain_head else along
         try:
             for name, runs in outputs.items():
                 matches = [(student.argmax(-1) == truth).long() for ids, out in runs["greedy"] if len(out) > k
@@ -133,6 +157,8 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
                 results[name]["acceptance"][str(folder)] = [round(a, 4) for a in acceptance]
                 log(f"{folder} {name}: " + " / ".join(f"{a:.2f}" for a in acceptance))
                 for label, sampling in settings:
+                    if label not in runs:
+                        continue
                     chooser = TokenChooser(sampling, sat_model.device)
                     warped = lambda logits: chooser.probs(logits.flatten(0, 1)).view(logits.shape)  # noqa: E731
                     rates = torch.cat([torch.zeros(0, k, device=sat_model.device)] +
@@ -196,6 +222,32 @@ def draft_pass_cost(engine, adapters: list[Path], k: int, context: int = 256, re
     return {"one_token_s": one, "draft_s": draft, "relative": {name: round(s / one, 3) for name, s in draft.items()}}
 
 
+def outputs_from(engine, files: list[str], sampled: list[tuple[float, float]]) -> dict:
+    """Vanilla's outputs from `python -m sdsat.bench` results files, one suite each (named by its folder): per
+    prompt the first greedy vanilla run, and for each sampled setting the first vanilla_sample run at that
+    temperature and top-p. Shapes as `measure`'s `given`; a file without greedy vanilla runs is a ValueError."""
+    given = {}
+    for file in files:
+        data = json.loads(Path(file).read_text())
+        top_p = data.get("meta", {}).get("settings", {}).get("top_p")
+        suite = {"greedy": []} | {f"sampled {t:g},{p:g}": [] for t, p in sampled}
+        for prompt in data["prompts"]:
+            runs = [r for r in data["runs"] if int(r["prompt_index"]) == prompt["index"]]
+            ids = engine.encode(prompt["text"], chat=prompt["kind"] == "chat")
+            greedy = [r for r in runs if r["method"] == "vanilla"]
+            if greedy:
+                suite["greedy"].append((ids, greedy[0]["token_ids"]))
+            for t, p in sampled:
+                drawn = [r for r in runs if r["method"] == "vanilla_sample" and r["temperature"] == t
+                         and (top_p is None or abs(float(top_p) - p) < 1e-9)]
+                if drawn:
+                    suite[f"sampled {t:g},{p:g}"].append((ids, drawn[0]["token_ids"]))
+        if not suite["greedy"]:
+            raise ValueError(f"{file} has no greedy vanilla runs to measure drafts along")
+        given[Path(file).parent.name] = {label: runs for label, runs in suite.items() if runs}
+    return given
+
+
 def sampling_settings(values: list[str]) -> list[tuple[float, float]]:
     """`--sampled` values "T,TOP_P" -> [(temperature, top_p)]; a bad one is a ValueError naming it."""
     from ..sampling import SamplingConfig
@@ -233,6 +285,9 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
     parser.add_argument("--model", default=None, metavar="ID_OR_DIR", help="base model (default: the embedded one)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
+    parser.add_argument("--outputs-from", nargs="*", default=[], metavar="RESULTS_JSON",
+                        help="also suites whose vanilla outputs are read from these `python -m sdsat.bench` results "
+                             "files instead of decoded (one suite each, named by its folder)")
     parser.add_argument("--pass-cost", type=int, default=0, metavar="REPEATS",
                         help="only time each adapter's draft pass (its head's drafts included) against a one-token "
                              "pass, this many interleaved rounds, and skip acceptance")
@@ -270,8 +325,9 @@ def _main(argv: list[str] | None) -> int:
     suites = {f"HumanEval {args.humaneval}": humaneval_prompts(args.humaneval)} if args.humaneval else {}
     suites.update({Path(p).stem: file_prompts(p) for p in args.prompts})
     engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL, dtype=args.dtype, measure_kernels=False))
+    given = outputs_from(engine, args.outputs_from, sampled)
     results = measure(engine, adapters, suites, args.k, args.max_new_tokens, tuple(sampled),
-                      log=lambda line: print(line, file=sys.stderr, flush=True))
+                      log=lambda line: print(line, file=sys.stderr, flush=True), given=given)
     command = "python -m sdsat.bench.drafts " + " ".join(argv if argv is not None else sys.argv[1:])
     report = {"command": command, "k": args.k, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
               "suites": results}

@@ -1,0 +1,211 @@
+"""The sampler head (sdsat/head.py): drafts conditioned on the token before them, losslessly.
+
+On a tiny model with a tiny vocabulary: greedy output equals vanilla; the standard-token logits do not
+move; sampled output has vanilla sampling's exact distribution at every position (chi-square), and a head
+that misreports q fails the same test; the head's training loss falls and a resumed run equals an
+uninterrupted one; saving and loading round-trip. On the real model: the shipped drafter loads and its
+greedy output equals vanilla's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import sdsat.drafters as drafters
+from conftest import make_tiny_llama
+from sdsat.decoding import DecodeConfig, collect, decode
+from sdsat.drafters import DraftContext, conditioned_draft_pass
+from sdsat.head import HeadConfig, SamplerHead, head_beside, head_drafts
+from sdsat.sampling import SamplingConfig, TokenChooser
+from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from sdsat.timing import Clock
+from sdsat.train.head import HeadTrainConfig, extract, load_features, train
+from test_sampling import ALPHA, PROMPT, SAMPLES, SilentTokenizer, exact_marginals, marginal_fit
+
+VOCAB = 8
+POSITIONS = 4
+
+
+def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0) -> SatModel:
+    """The sampling tests' tiny model and adapter, with a random head (K of the 8 tokens) when `head`."""
+    model = make_tiny_llama(vocab_size=VOCAB, layers=1, seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size, num_layers=1, num_sats=4, rank=4)
+    adapter = SatAdapter.for_model(model, config, init_token_id=3)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        adapter.embeddings.add_(torch.randn(adapter.embeddings.shape, generator=gen) * 0.02)
+        for b in adapter.lora_b.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.02)
+    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=4), adapter)
+    if head:
+        torch.manual_seed(seed)
+        sat_model.sampler = SamplerHead(HeadConfig(base_model="tiny", hidden_size=model.config.hidden_size,
+                                                   num_sats=4, width=16, candidates=candidates))
+        with torch.no_grad():  # a head that really moves q, by the token before each draft
+            sat_model.sampler.out.weight.normal_(0, 0.5)
+    return sat_model
+
+
+def sampled_positions(sat_model: SatModel, k: int, settings: dict, seeds: range, extra: int = 0) -> list[Counter]:
+    counts = [Counter() for _ in range(POSITIONS)]
+    for seed in seeds:
+        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=POSITIONS + 1, tree_candidates=extra,
+                              sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
+        result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+        for i, token in enumerate(result.token_ids[:POSITIONS]):
+            counts[i][token] += 1
+    return counts
+
+
+def p_values(sat_model: SatModel, k: int, settings: dict, extra: int = 0) -> list[float]:
+    marginals = exact_marginals(sat_model.model, settings, POSITIONS)
+    counts = sampled_positions(sat_model, k, settings, range(SAMPLES), extra)
+    return [marginal_fit(c, m) for c, m in zip(counts, marginals)]
+
+
+def test_greedy_with_the_head_equals_vanilla():
+    sat_model = tiny_sat_model(head=True)
+    vanilla = collect(decode(sat_model, SilentTokenizer(), PROMPT, DecodeConfig(method="vanilla", max_new_tokens=24),
+                             eos_ids=[]))
+    for k, extra in ((1, 0), (3, 0), (3, 4)):
+        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=24, tree_candidates=extra)
+        result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+        assert result.token_ids == vanilla.token_ids
+        assert all(step.conditioned for step in result.steps if step.draft_pass)
+
+
+def test_standard_token_logits_are_bit_equal_with_and_without_adapter_and_head():
+    """The draft pass's t logits through the head's path (hidden states, then the LM head) equal the plain
+    pass's, and the verify pass is the base model's own."""
+    plain, headed = tiny_sat_model(head=False), tiny_sat_model(head=True)
+    ids = torch.tensor([PROMPT + [0, 0, 0]])
+    slots = torch.tensor([[-1] * len(PROMPT) + [0, 1, 2]])
+    through_head = headed.head(headed.hidden_states(ids, slots)[0, -4:])
+    assert torch.equal(plain.forward(ids, slots, logits_to_keep=4)[0], through_head)
+    block = torch.tensor([PROMPT + [4, 1]])
+    assert torch.equal(headed.forward(block), plain.model(input_ids=block).logits)
+    # the first row (t) of a draft pass equals a pass over the standard tokens alone
+    alone = plain.model(input_ids=torch.tensor([PROMPT])).logits[0, -1]
+    assert torch.allclose(through_head[0], alone, atol=1e-5)
+
+
+def test_q_is_the_distribution_each_draft_was_drawn_from():
+    """Each row of q is conditioned on the draft before it: feeding the head those drafts again gives q."""
+    sat_model = tiny_sat_model(head=True)
+    from transformers import DynamicCache
+
+    chooser = TokenChooser(SamplingConfig(do_sample=True, temperature=1.3, seed=3), sat_model.device)
+    ctx = DraftContext(sat_model, chooser, DynamicCache(config=sat_model.model.config), list(PROMPT), list(PROMPT),
+                       8, Clock(sat_model.device))
+    with torch.inference_mode():
+        t, _, q, drafts, _ = conditioned_draft_pass(ctx, 3)
+    assert q.shape == (3, VOCAB) and drafts.shape == (3,)
+    assert ((q > 0).sum(-1) <= sat_model.sampler.config.candidates).all()
+    prev = [t] + drafts.tolist()[:-1]
+    model = sat_model.model
+    hidden = sat_model.hidden_states(torch.tensor([PROMPT + [0] * 3]), torch.tensor([[-1] * 3 + [0, 1, 2]]))[0, -3:]
+    for j in range(3):  # the same rows again, outside the cache: equal up to rounding
+        row = sat_model.sampler.logits(hidden[j:j + 1], sat_model.head(hidden[j:j + 1]), torch.tensor([prev[j]]),
+                                       torch.tensor([j]), model.get_input_embeddings().weight,
+                                       model.get_output_embeddings().weight)
+        assert torch.allclose(chooser.probs(row)[0], q[j], atol=1e-6)
+
+
+@pytest.mark.parametrize("name,k,extra,settings", [
+    ("chain-t1.3-k3", 3, 0, dict(temperature=1.3)),
+    ("chain-t0.7-topp0.9-k2", 2, 0, dict(temperature=0.7, top_p=0.9)),
+    ("tree-t1-k2", 2, 3, dict(temperature=1.0)),
+])
+def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings):
+    p = p_values(tiny_sat_model(head=True), k, settings, extra)
+    assert min(p) > ALPHA, p
+
+
+def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch):
+    """Drafts drawn from the head but tested against the SATs' own q (the q a blind drafter would report)
+    shift the output beyond the test's tolerance: the test has power over the head's q."""
+    honest = head_drafts
+
+    def misreported(head, hidden, logits, t, embed_in, embed_out, warp, draw):
+        _, drafts = honest(head, hidden, logits, t, embed_in, embed_out, warp, draw)
+        return warp(logits), drafts
+
+    monkeypatch.setattr(drafters, "head_drafts", misreported)
+    p = p_values(tiny_sat_model(head=True), 3, dict(temperature=1.3))
+    assert min(p) < ALPHA, p
+
+
+def test_save_and_load_round_trip(tmp_path):
+    head = tiny_sat_model(head=True).sampler
+    head.save(tmp_path)
+    loaded = head_beside(tmp_path)
+    assert loaded.config == head.config
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert head_beside(tmp_path / "missing") is None
+
+
+# -- training on a tiny model -----------------------------------------------------------------------
+
+def tiny_features(tmp_path) -> tuple[SatModel, list]:
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=0)
+    config = AdapterConfig(base_model="tiny", hidden_size=32, num_layers=2, num_sats=3, rank=4)
+    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=3), SatAdapter.for_model(model, config, 3))
+    gen = torch.Generator().manual_seed(0)
+    sequences = [(torch.randint(0, 64, (40,), generator=gen).tolist(), 8) for _ in range(12)]
+    extract(sat_model, sequences, tmp_path / "features", k=3, stride=1, chunk=4, progress=False)
+    return sat_model, load_features(tmp_path / "features", slots=3)
+
+
+def head_config(tmp_path, out: str, **changes) -> HeadTrainConfig:
+    settings = dict(out=str(tmp_path / out), features=str(tmp_path / "features"), width=32, candidates=8, steps=60,
+                    batch_size=64, lr=3e-3, warmup=5, slots=3, held_out=0.25, checkpoint_every=20, eval_every=30)
+    return HeadTrainConfig(**(settings | changes))
+
+
+def test_the_head_loss_falls_and_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    sat_model, chunks = tiny_features(tmp_path)
+    assert {"sat_hidden", "std_hidden", "cand", "cand_logits", "prev", "target", "slot"} <= set(chunks[0])
+    embed_in = sat_model.model.get_input_embeddings().weight
+    embed_out = sat_model.model.get_output_embeddings().weight
+    whole = train(head_config(tmp_path, "whole"), embed_in, embed_out, "tiny", chunks, progress=False)
+    losses = [s["loss"] for s in whole["steps"]]
+    assert sum(losses[-10:]) < sum(losses[:10]) * 0.9, losses
+    train(head_config(tmp_path, "resumed"), embed_in, embed_out, "tiny", chunks, progress=False, stop_at=40)
+    resumed = train(head_config(tmp_path, "resumed"), embed_in, embed_out, "tiny", chunks, progress=False)
+    assert [s["loss"] for s in resumed["steps"]] == losses
+    a, b = SamplerHead.load(tmp_path / "whole" / "head"), SamplerHead.load(tmp_path / "resumed" / "head")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="another configuration"):
+        train(head_config(tmp_path, "resumed", lr=1e-3), embed_in, embed_out, "tiny", chunks, progress=False)
+
+
+def test_the_drafts_benchmark_reads_the_head_as_decoding_does():
+    """`along_head` without a head gives `along`'s logits; with one, each SAT's row is the head's, conditioned on
+    the output token before the drafted one (for SAT 1, t)."""
+    from sdsat.bench.drafts import along, along_head
+
+    plain, headed = tiny_sat_model(head=False), tiny_sat_model(head=True)
+    output = [4, 1, 6, 2, 2, 7, 0, 3]
+    teacher, student, truth = along(plain, PROMPT, output, 3)
+    kept = {}
+    teacher2, student2, truth2 = along_head(plain, PROMPT, output, 3, kept)
+    assert torch.allclose(teacher, teacher2, atol=1e-5) and torch.allclose(student, student2, atol=1e-5)
+    assert torch.equal(truth, truth2) and len(kept) == 1
+    _, conditioned, _ = along_head(headed, PROMPT, output, 3)
+    model = headed.model
+    seq = PROMPT + output
+    run, j = 2, 1  # run after position len(PROMPT) - 1 + run; SAT j + 1 is conditioned on the token at that + 1 + j
+    hidden = headed.hidden_states(torch.tensor([seq[:len(PROMPT) + run] + [0] * 3]),
+                                  torch.tensor([[-1] * (len(PROMPT) + run) + [0, 1, 2]]))[0, -3:]
+    expected = headed.sampler.logits(hidden[j:j + 1], headed.head(hidden[j:j + 1]),
+                                     torch.tensor([seq[len(PROMPT) + run + j]]), torch.tensor([j]),
+                                     model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    finite = torch.isfinite(expected[0])
+    assert torch.equal(finite, torch.isfinite(conditioned[run, j]))
+    assert torch.allclose(expected[0][finite], conditioned[run, j][finite], atol=1e-4)
