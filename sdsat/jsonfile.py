@@ -19,14 +19,38 @@ def read_object(path: Path | None) -> dict | None:
 
 
 def write_object(path: Path, data: dict, indent: int | None = None) -> None:
-    """Write `data` to a temporary file and rename it over `path`: a reader (another process, or this one
-    after a crash) sees the old object or the new one, never half of one. A read-only cache is skipped."""
+    """Write `data` to a temporary file, flush it to the disk and rename it over `path`: a reader (another
+    process, or this one after a crash or a power cut) sees the old object or the new one, never half of one.
+    Temporary files left by writers that died midway are removed first. A read-only cache is skipped."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=indent))
+        _remove_stale(path)
+        with open(tmp, "w") as out:
+            out.write(json.dumps(data, indent=indent))
+            out.flush()
+            os.fsync(out.fileno())
         tmp.replace(path)
     except OSError:
         pass
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _remove_stale(path: Path) -> None:
+    """Delete <stem>.tmp<pid> files beside `path` whose process is gone, or is this one (a process killed
+    during a save leaves one; a later process may reuse its id)."""
+    for tmp in path.parent.glob(f"{path.stem}.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

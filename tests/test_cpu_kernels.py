@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -139,6 +140,26 @@ def test_a_damaged_plan_file_is_replaced(tmp_path, monkeypatch):
         monkeypatch.setattr(cpu_kernels, "_PLANS", {})
         plan = cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache)
         assert list(json.loads(cache.read_text()).values()) == [plan.summary()]
+
+
+def test_a_torn_plan_file_beside_a_stale_temporary_file_is_replaced_by_a_valid_one(tmp_path, monkeypatch):
+    # What a kill during a save leaves: half the file, and the temporary file the save was writing (its process
+    # gone, or one whose id this process now has). A start that may not measure sets the torn file aside; the
+    # next re-tune writes a whole plan, and the temporary files are gone.
+    model = make_tiny_llama()
+    cache = tmp_path / "kernels.json"
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    whole = json.dumps({"a key": cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache).summary()}, indent=1)
+    stale = [tmp_path / "kernels.tmp999999999", tmp_path / f"kernels.tmp{os.getpid()}"]
+    for torn in (cache, *stale):
+        torn.write_text(whole[:len(whole) // 2])
+    monkeypatch.setattr(cpu_kernels, "_PLANS", {})
+    assert cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache, measure=False) is None
+    assert not cache.exists() and (tmp_path / "kernels.json.bad").exists()
+    cache.write_text(whole[:len(whole) // 2])  # torn again: the re-tune finds it so
+    plan = cpu_kernels.tune(model, max_rows=2, repeats=1, cache_file=cache)
+    assert list(json.loads(cache.read_text()).values()) == [plan.summary()]
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 @pytest.mark.parametrize("damage", ["variant", "length", "shape", "type", "name"])
