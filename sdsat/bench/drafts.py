@@ -25,7 +25,6 @@ draft pass per position: what a learning curve needs. Speed is the benchmark's j
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -64,26 +63,42 @@ def along(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tu
     return teacher.view(runs, k, -1), student.view(runs, k, -1), truth.view(runs, k)
 
 
-def along_head(sat_model, prompt_ids: list[int], output_ids: list[int], k: int,
-               kept: dict | None = None) -> tuple[torch.Tensor, ...]:
+def along_head(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) -> tuple[torch.Tensor, ...]:
     """`along` through the final hidden states, and through the sampler head where the adapter has one
     (head.py): SAT j is then conditioned on the output token before the one it drafts (t for SAT 1), which is
-    draft j - 1 wherever drafts 1..j - 1 were accepted. Same shapes as `along`. The hidden states depend on the
-    adapter only, so `kept` ({(adapter weights, ids, output): states}) lets heads on one adapter share them."""
+    draft j - 1 wherever drafts 1..j - 1 were accepted. Same shapes as `along`."""
+    return _through_head(sat_model, _logits_along(sat_model, prompt_ids, output_ids, k), prompt_ids, output_ids, k)
+
+
+def along_heads(models: dict, prompt_ids: list[int], output_ids: list[int], k: int) -> dict:
+    """{folder: `along`'s (teacher, student, truth)} for SatModels on adapter folders; those whose adapter weights
+    are one file share its SAT pass and logits, and a sampler head beside a folder drafts (`along_head`)."""
+    results, shared = {}, {}
+    for folder, sat_model in models.items():
+        if not sat_model.plain_head:
+            results[folder] = along(sat_model, prompt_ids, output_ids, k)
+            continue
+        folder_of = sat_model.spec.adapter
+        key = (Path(folder_of) / "adapter_model.safetensors").resolve() if folder_of else id(sat_model.adapter)
+        if key not in shared:
+            shared[key] = _logits_along(sat_model, prompt_ids, output_ids, k)
+        results[folder] = _through_head(sat_model, shared[key], prompt_ids, output_ids, k)
+    return results
+
+
+def _logits_along(sat_model, prompt_ids, output_ids, k) -> tuple[torch.Tensor, ...]:
+    standard, sats, slot = _states_along(sat_model, prompt_ids, output_ids, k)
+    with torch.inference_mode():
+        return sat_model.head(standard), sat_model.head(sats), sats, slot
+
+
+def _through_head(sat_model, logits: tuple[torch.Tensor, ...], prompt_ids, output_ids, k) -> tuple[torch.Tensor, ...]:
+    teacher, z, sats, slot = logits
     seq, runs = prompt_ids + output_ids, len(output_ids) - k
-    key = (str(Path(sat_model.spec.adapter or "").resolve() / "adapter_model.safetensors"), tuple(seq),
-           len(prompt_ids), k)
-    states = kept.get(key) if kept is not None else None
-    if states is None:
-        states = _states_along(sat_model, prompt_ids, output_ids, k)
-        if kept is not None:
-            kept[key] = states
-    standard, sats, slot = states
     model, device = sat_model.model, sat_model.device
     tokens = torch.tensor(seq, device=device)
     where = torch.arange(len(prompt_ids), len(prompt_ids) + runs, device=device).repeat_interleave(k) + slot
     with torch.inference_mode():
-        teacher, z = sat_model.head(standard), sat_model.head(sats)
         student = z if sat_model.sampler is None else sat_model.sampler.logits(
             sats, z, tokens[where], slot, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     return teacher.view(runs, k, -1), student.view(runs, k, -1), tokens[where + 1].view(runs, k)
@@ -124,7 +139,7 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
     base = engine.sat_model
     settings = [(f"sampled {t:g},{p:g}", SamplingConfig(do_sample=True, temperature=t, top_p=p, seed=0))
                 for t, p in sampled]
-    outputs, kept = dict(given or {}), {}
+    outputs = dict(given or {})
     for name, prompts in suites.items():
         if name in outputs:
             continue
@@ -141,38 +156,47 @@ def measure(engine, adapters: list[Path], suites: dict[str, list], k: int, max_n
     results = {name: {"passes": 0, "acceptance": {}} | {label: {"passes": 0, "pass_rate": {}, "acceptance": {}}
                                                          for label, _ in settings if label in outputs[name]}
                for name in outputs}
+    models = {}
     for folder in adapters:
         adapter = SatAdapter.load(folder)
         if adapter.config.num_sats < k:
             raise ValueError(f"k must be at most the adapter's {adapter.config.num_sats} SATs ({folder}); got {k}")
-        sat_model = SatModel(base.model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter)
-        draws = functools.partial(along_head, kept=kept) if sat_model.plain_head else along
-        try:
-            for name, runs in outputs.items():
-                matches = [(student.argmax(-1) == truth).long() for ids, out in runs["greedy"] if len(out) > k
-                           for _, student, truth in [draws(sat_model, ids, out, k)]]
-                misses = torch.cat(matches).ne(1).long().tolist() if matches else []  # every output ended early
+        models[str(folder)] = SatModel(base.model, SatSpec(kind="adapter", max_k=k, adapter=str(folder)), adapter)
+    try:
+        for name, runs in outputs.items():
+            # Prompt by prompt, every adapter: folders that share adapter weights (heads on one adapter) share the
+            # SAT pass and the projections onto the vocabulary (`along_heads`).
+            matches = {folder: [] for folder in models}
+            for ids, out in runs["greedy"]:
+                if len(out) > k:
+                    for folder, (_, student, truth) in along_heads(models, ids, out, k).items():
+                        matches[folder].append((student.argmax(-1) == truth).long())
+            for folder, rows in matches.items():
+                misses = torch.cat(rows).ne(1).long().tolist() if rows else []  # every output ended early
                 acceptance, passes = cumulative_acceptance(misses, k)
                 results[name]["passes"] = passes
-                results[name]["acceptance"][str(folder)] = [round(a, 4) for a in acceptance]
+                results[name]["acceptance"][folder] = [round(a, 4) for a in acceptance]
                 log(f"{folder} {name}: " + " / ".join(f"{a:.2f}" for a in acceptance))
-                for label, sampling in settings:
-                    if label not in runs:
-                        continue
-                    chooser = TokenChooser(sampling, sat_model.device)
-                    warped = lambda logits: chooser.probs(logits.flatten(0, 1)).view(logits.shape)  # noqa: E731
-                    rates = torch.cat([torch.zeros(0, k, device=sat_model.device)] +
-                                      [torch.minimum(warped(teacher), warped(student)).sum(-1)
-                                       for ids, out in runs[label] if len(out) > k
-                                       for teacher, student, _ in [draws(sat_model, ids, out, k)]])
-                    entry = results[name][label]
-                    entry["passes"] = len(rates)
-                    entry["pass_rate"][str(folder)] = [round(float(a), 4) for a in rates.mean(0).nan_to_num()]
-                    entry["acceptance"][str(folder)] = [round(float(a), 4)
-                                                        for a in rates.cumprod(-1).mean(0).nan_to_num()]
-                    log(f"{folder} {name} {label}: " + " / ".join(f"{a:.2f}" for a in entry["acceptance"][str(folder)]))
-        finally:
-            adapter.detach()
+            for label, sampling in settings:
+                if label not in runs:
+                    continue
+                chooser = TokenChooser(sampling, base.device)
+                warped = lambda logits: chooser.probs(logits.flatten(0, 1)).view(logits.shape)  # noqa: E731
+                rates = {folder: [torch.zeros(0, k, device=base.device)] for folder in models}
+                for ids, out in runs[label]:
+                    if len(out) > k:
+                        for folder, (teacher, student, _) in along_heads(models, ids, out, k).items():
+                            rates[folder].append(torch.minimum(warped(teacher), warped(student)).sum(-1))
+                entry = results[name][label]
+                for folder, rows in rates.items():
+                    rate = torch.cat(rows)
+                    entry["passes"] = len(rate)
+                    entry["pass_rate"][folder] = [round(float(a), 4) for a in rate.mean(0).nan_to_num()]
+                    entry["acceptance"][folder] = [round(float(a), 4) for a in rate.cumprod(-1).mean(0).nan_to_num()]
+                    log(f"{folder} {name} {label}: " + " / ".join(f"{a:.2f}" for a in entry["acceptance"][folder]))
+    finally:
+        for sat_model in models.values():
+            sat_model.adapter.detach()
     return results
 
 
