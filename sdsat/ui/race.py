@@ -1,10 +1,11 @@
 """The race: vanilla decoding, then SDSAT, on the same prompt, streamed as snapshots.
 
 The two decoders run one after the other, never at once: on a 2-core machine they would compete
-for the CPU and both timings would be wrong. Each decoder runs in a worker thread that only
-decodes, so the page's rendering between updates never lands inside the decoder's clock; the
-caller gets a `RaceSnapshot` at most every `every` seconds. Closing the generator (Gradio does
-this on Stop or when the visitor leaves) cancels the decoder between two iterations.
+for the CPU and both timings would be wrong. Each decoder runs on the process's compute thread
+(compute.py), which only decodes, so the page's rendering between updates never lands inside the
+decoder's clock, and decodes run at the engine's full speed; the caller gets a `RaceSnapshot` at most
+every `every` seconds. Closing the generator (Gradio does this on Stop or when the visitor leaves)
+cancels the decoder between two iterations.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from .. import hardware
+from ..compute import compute_thread
 from ..decoding import GenerationResult, StepRecord
 from ..engine import Engine
 from .machine import NO_COSTS, RaceCosts, race_costs
@@ -94,7 +96,7 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
          methods: tuple[str, ...] = PHASES) -> Iterator[RaceSnapshot]:
     """Run vanilla, then SDSAT; yield snapshots, the last one with phase "done" and both results.
 
-    `methods` runs a subset, in the same worker threads (the Chat tab decodes a turn with SDSAT alone,
+    `methods` runs a subset, on the same compute thread (the Chat tab decodes a turn with SDSAT alone,
     and vanilla alone when the visitor races that turn).
 
     Each decoder may use `time_limit_s / 2` seconds of wall time; it then stops between two
@@ -106,16 +108,11 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
     for method in methods:
         if cancel.is_set():  # Stop, or an API call given up: nobody is waiting for the next decoder
             return
-        _wait_for_abandoned()
         snap.phase = method
-        deadline = time.monotonic() + time_limit_s / 2
         events: queue.Queue = queue.Queue()
-        should_stop = lambda: cancel.is_set() or time.monotonic() > deadline  # noqa: E731
-        worker = threading.Thread(target=_drain,
-                                  args=(engine, prompt_ids, request.decode_config(method), should_stop, events),
-                                  name=f"sdsat-{method}", daemon=True)
         decoder = PieceDecoder(engine.tokenizer, prompt_ids)
-        worker.start()
+        compute_thread().submit(_drain, engine, prompt_ids, request.decode_config(method), cancel, time_limit_s / 2,
+                                events, urgent=True)
         try:
             last_yield = 0.0
             while True:
@@ -138,38 +135,28 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
                     last_yield = time.monotonic()
                     yield snap
         finally:
-            # Stop, disconnect or an error: the worker stops at its next iteration boundary. Gradio closes
-            # this generator on its event loop, so it is not joined here (that would stall every visitor
-            # for up to a forward pass); the next race waits for it before decoding, in its own thread,
-            # so that no request shares the CPU with an abandoned one.
+            # Stop, disconnect or an error: the decoder stops at its next iteration boundary. Gradio closes
+            # this generator on its event loop, so it is not waited for here (that would stall every visitor
+            # for up to a forward pass); the next decode queues behind it on the compute thread, so no
+            # request shares the CPU with an abandoned one.
             if method not in snap.results:
                 cancel.set()
-            if worker.is_alive():
-                with _ABANDONED_LOCK:
-                    _ABANDONED.append(worker)
         if method not in snap.results:
+            if cancel.is_set():  # given up while it waited for the compute thread
+                return
             raise RuntimeError(f"the {method} decoder ended without a result")
     snap.phase = "done"
     yield snap
 
 
-# Decoder threads of closed races, still finishing their last iteration (see the `finally` in `race`).
-_ABANDONED: list[threading.Thread] = []
-_ABANDONED_LOCK = threading.Lock()
-
-
-def _wait_for_abandoned(timeout: float = 30.0) -> None:
-    """Join the decoders of closed races; called from a race's own thread, never the event loop."""
-    with _ABANDONED_LOCK:
-        workers = list(_ABANDONED)
-        _ABANDONED.clear()
-    for worker in workers:
-        worker.join(timeout)
-
-
-def _drain(engine: Engine, prompt_ids, config, should_stop, events: queue.Queue) -> None:
+def _drain(engine: Engine, prompt_ids, config, cancel: threading.Event, limit_s: float, events: queue.Queue) -> None:
+    """Decode on the compute thread, handing each event over; the time limit counts from the decode's start, not
+    from the time it waited in the queue."""
+    deadline = time.monotonic() + limit_s
     try:
-        for event in engine.stream(prompt_ids, config, should_stop):
+        if cancel.is_set():  # given up while it waited
+            return
+        for event in engine.stream(prompt_ids, config, lambda: cancel.is_set() or time.monotonic() > deadline):
             events.put(event)
     except Exception as err:  # handed to the page's thread, which raises it
         events.put(err)

@@ -10,6 +10,7 @@ import threading
 import time
 
 from .. import hardware
+from ..compute import compute_thread
 from ..decoding import DecodeConfig, collect
 from ..engine import Activity, Engine
 from ..errors import first_line
@@ -68,7 +69,8 @@ class EngineCache:
         with self._locks[name]:
             if name not in self._engines:
                 self._raise_recent_failure(name)
-                self._engines[name] = self._load(name, warm_up)
+                # on the compute thread, as all of the server's torch work (compute.py)
+                self._engines[name] = compute_thread().run(self._load, name, warm_up)
         return self._engines[name]
 
     def _load(self, name: str, warm_up: bool) -> Engine:
@@ -117,28 +119,31 @@ class EngineCache:
                         engine.name, type(err).__name__, first_line(err), exc_info=True)
 
     def _tune_behind(self, engine: Engine, remeasure: str, when_quiet: bool = False) -> None:
-        """Measure this machine in a background thread, on a second copy of the model, between requests; then
+        """Measure this machine on a second copy of the model, between requests (on the compute thread, where a
+        visitor's decode runs between two measurements rather than beside one); then
         that copy, tuned and warmed up, replaces `engine` in the cache. A request that already holds `engine`
         (a race under way) finishes on it, with the settings it started with."""
         shown = engine.tuning is None  # a kept plan measured again stays in use: nothing to show meanwhile
         if shown:
             engine.measuring = TuneProgress(label="loading a second copy of the model to measure")
 
+        compute = compute_thread()
+
         def between_requests(state: TuneProgress) -> None:
             if shown:
                 engine.measuring = state
+            compute.serve_urgent()  # the visitors who came during the last step decode first
             engine.activity.wait_idle()
 
-        def job() -> None:
+        def job() -> None:  # waits here; the torch work runs on the compute thread, between requests
             try:
                 if when_quiet and not _wait_quiet(engine, self.limits.quiet_wait_s):
                     log.info("the machine stayed busy: the measurement taken under load stays in use")
                     return
                 engine.activity.wait_idle()
-                twin = engine.twin()
-                twin.tune(remeasure, on_step=between_requests)
-                engine.activity.wait_idle()
-                _warm_up(twin)
+                twin = compute.run(engine.twin)
+                compute.run(twin.tune, remeasure, on_step=between_requests)
+                compute.run(_warm_up, twin)
                 with self._locks[engine.name]:  # unless the engine was replaced or its load failed meanwhile
                     if self._engines.get(engine.name) is engine:
                         self._engines[engine.name] = twin
