@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from . import timing
+from .compute import compute_thread
 from .kvcache import behind_cache, rollback
 from .records import StepRecord
 from .sat import SatModel
@@ -166,6 +167,7 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
               + [("tree", e) for e in sorted({min(e, fit) for e in TREE_EXTRAS} - {0})])
     times: dict[tuple[str, int], list[float]] = {b: [] for b in blocks}
     for _ in range(repeats + 1):
+        compute_thread().serve_urgent()  # a server's visitors decode between rounds, not beside one (compute.py)
         for kind, size in blocks:
             inputs = _timed_block(kind, size, tree_k, context, vocab, gen, device)
             start = timing.now(device)
