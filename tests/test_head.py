@@ -208,3 +208,32 @@ def test_the_drafts_benchmark_reads_the_head_as_decoding_does():
     finite = torch.isfinite(expected[0])
     assert torch.equal(finite, torch.isfinite(conditioned[run, j]))
     assert torch.allclose(expected[0][finite], conditioned[run, j][finite], atol=1e-4)
+
+
+def test_the_shipped_drafter_loads_and_its_greedy_output_equals_vanillas(default_engine):
+    """The default adapter ships with its sampler head: the engine drafts through it, and greedy SDSAT output is
+    vanilla's, token for token, on code and on chat."""
+    engine = default_engine
+    assert engine.sat_model.sampler is not None
+    for prompt, chat in (("def fibonacci(n):\n    ", False), ("Give three tips about saving money.", True)):
+        ids = engine.encode(prompt, chat=chat)
+        vanilla = collect(engine.stream(ids, DecodeConfig(method="vanilla", max_new_tokens=40)))
+        for config in (DecodeConfig(method="sdsat", k=3, max_new_tokens=40),
+                       DecodeConfig(method="sdsat", k=2, tree_candidates=2, max_new_tokens=40)):
+            sdsat = collect(engine.stream(ids, config))
+            assert sdsat.token_ids == vanilla.token_ids
+            assert any(step.conditioned for step in sdsat.steps)
+
+
+def test_the_step_explorer_says_what_each_draft_was_conditioned_on():
+    from sdsat.records import StepRecord
+    from sdsat.ui.explorer import _conditioned_on
+
+    common = dict(index=0, kind="sat", kv_len_before=5, draft_pass=True, k=3, drafts=[11, 12, 13],
+                  draft_probs=[0.9, 0.5, 0.2], predictions=[11, 99, 7, 8], accepted=1, tokens=[10, 11, 99],
+                  sources=["verified", "draft", "bonus"], probs=[0.8, 0.7, 0.6], pass_seconds=[0.1, 0.1], kv_len=8,
+                  elapsed=0.2)
+    headed, blind = StepRecord(**common, conditioned=True), StepRecord(**common)
+    assert _conditioned_on(headed, 1) == " · after t" and _conditioned_on(headed, 3) == " · after d2"
+    assert "conditioned on t" in _conditioned_on(headed, 1, long=True)
+    assert _conditioned_on(blind, 2) == "" and "blind to t" in _conditioned_on(blind, 2, long=True)
