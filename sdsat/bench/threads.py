@@ -6,10 +6,12 @@
 Each place runs in a fresh process, so that one place's threads never slow the other's (compute.py says why
 they would), and the places take turns, round after round:
   cli       the main thread loads and decodes (what `python -m sdsat generate` does);
-  server    the page's /generate path: the engine cache loads on the compute thread, and a race decodes there;
+  server    the page's /generate path in process: the engine cache loads on the compute thread, a race decodes there;
+  http      `python app.py` on a free local port, called through gradio_client: /generate, /race and /chat;
   threaded  the main thread loads, a new thread per request decodes: the server before the compute thread.
-A place prints one JSON line: vanilla's and SDSAT's tokens/s over its decodes. The table gives each place's
-medians and their ratio to the CLI's; `server` should be about 1.0 and `threaded` shows the cost it avoids.
+A place prints one JSON line: vanilla's and SDSAT's tokens/s over its decodes (/generate's; `chat sdsat` is
+a chat turn of the same prompt, SDSAT alone; `http` adds /race's two). The table gives each place's medians and
+their ratio to the CLI's; `server` and `http` should be about 1.0, and `threaded` shows the cost avoided.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import threading
 
 from ..hardware import cpu_name
 
-PLACES = ("cli", "server", "threaded")
+PLACES = ("cli", "server", "http", "threaded")
 DEFAULT_PROMPT = "def count_vowels(word):\n    count = 0\n"  # the page's first example
 
 
@@ -47,18 +49,73 @@ def _decode_configs(engine, inputs: dict):
 
 
 def _speeds(run_one, repeats: int) -> dict:
-    speeds: dict[str, list[float]] = {"vanilla": [], "sdsat": []}
+    speeds: dict[str, list[float]] = {}
     run_one()  # warm-up
     for _ in range(repeats):
         for method, tokens_per_second in run_one().items():
-            speeds[method].append(tokens_per_second)
+            speeds.setdefault(method, []).append(tokens_per_second)
     return {m: statistics.median(v) for m, v in speeds.items()}
+
+
+def _over_http(inputs: dict, repeats: int) -> dict:
+    """/generate, /race and /chat of a real `python app.py`, through gradio_client."""
+    import socket
+    import tempfile
+    import time
+    import urllib.request
+
+    from gradio_client import Client
+
+    from ..ui.handlers import RACE_INPUTS
+    from ..planner import FALLBACK
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryFile("w+") as log:
+        app = subprocess.Popen([sys.executable, "app.py"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
+                               env=os.environ | {"GRADIO_SERVER_PORT": str(port),
+                                                 "SDSAT_MAX_NEW_TOKENS": str(inputs["max_new_tokens"])})
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                if app.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"app.py did not serve {url}:\n{log.read()[-2000:]}")
+                try:
+                    urllib.request.urlopen(url, timeout=5).close()
+                    break
+                except OSError:
+                    time.sleep(1)
+            client = Client(url, verbose=False)
+            probe = client.predict(**inputs, **FALLBACK, api_name="/generate")  # says auto's plan here
+            plan = (probe.get("auto") or {}).get("plan") or {"settings": FALLBACK}
+            request = inputs | {n: plan["settings"][n] for n in FALLBACK}
+
+            def run_one() -> dict:
+                out = client.predict(**request, api_name="/generate")
+                race_in = request | {"show_rejected": False}
+                race_out = client.predict(*[race_in[n] for n in RACE_INPUTS], api_name="/race")[-1]  # run_data
+                chat = client.predict(message=inputs["prompt"], history=[], **{
+                    n: v for n, v in request.items() if n not in ("prompt", "chat")}, api_name="/chat")
+                return {"vanilla": out["vanilla"]["tokens_per_second"], "sdsat": out["sdsat"]["tokens_per_second"],
+                        "chat sdsat": chat["sdsat"]["tokens_per_second"],
+                        "race vanilla": race_out["vanilla"]["tokens_per_second"],
+                        "race sdsat": race_out["sdsat"]["tokens_per_second"]}
+            return _speeds(run_one, repeats)
+        finally:
+            app.terminate()
+            app.wait(timeout=60)
 
 
 def _place(place: str, inputs: dict, repeats: int) -> dict:
     """One place's median tokens/s per decoder (run in its own process)."""
     from ..decoding import collect
 
+    if place == "http":
+        return _over_http(inputs, repeats)
     if place == "server":
         from ..ui.handlers import Page
         from ..ui.settings import Limits
@@ -76,21 +133,22 @@ def _place(place: str, inputs: dict, repeats: int) -> dict:
 
     engine = Engine.load()
     engine.use_stored_tuning()
-    configs = dict(zip(("vanilla", "sdsat"), _decode_configs(engine, inputs)))
-    ids = engine.encode(inputs["prompt"])
+    vanilla, sdsat = _decode_configs(engine, inputs)
+    jobs = {"vanilla": (engine.encode(inputs["prompt"]), vanilla), "sdsat": (engine.encode(inputs["prompt"]), sdsat),
+            "chat sdsat": (engine.encode(inputs["prompt"], chat=True), sdsat)}
 
-    def decode(config) -> float:
+    def decode(ids, config) -> float:
         return collect(engine.stream(ids, config)).tokens_per_second
 
-    def in_new_thread(config) -> float:
+    def in_new_thread(ids, config) -> float:
         out: list[float] = []
-        worker = threading.Thread(target=lambda: out.append(decode(config)))
+        worker = threading.Thread(target=lambda: out.append(decode(ids, config)))
         worker.start()
         worker.join()
         return out[0]
 
     run = decode if place == "cli" else in_new_thread
-    return _speeds(lambda: {m: run(c) for m, c in configs.items()}, repeats)
+    return _speeds(lambda: {name: run(*job) for name, job in jobs.items()}, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,15 +183,21 @@ def main(argv: list[str] | None = None) -> int:
                                                               for m, v in runs[place][-1].items()), file=sys.stderr)
     print(f"machine: {cpu_name()}; {args.rounds} rounds of {args.repeats} decodes per place, "
           f"{args.max_new_tokens} new tokens")
-    median = {p: {m: statistics.median(r[m] for r in rs) for m in ("vanilla", "sdsat")} for p, rs in runs.items()}
+    median = {p: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for p, rs in runs.items()}
     base = median.get("cli")
-    print(f"{'place':<10} {'vanilla tok/s':>14} {'sdsat tok/s':>12} {'sdsat/vanilla':>14}"
-          + (f" {'vanilla/cli':>12} {'sdsat/cli':>10}" if base else ""))
-    for place, m in median.items():
-        line = f"{place:<10} {m['vanilla']:>14.1f} {m['sdsat']:>12.1f} {m['sdsat'] / m['vanilla']:>14.2f}"
-        if base:
-            line += f" {m['vanilla'] / base['vanilla']:>12.2f} {m['sdsat'] / base['sdsat']:>10.2f}"
-        print(line)
+    columns = list(dict.fromkeys(m for ms in median.values() for m in ms))
+    print("tokens/s (and × the CLI's same decode)")
+    print(f"{'place':<10}" + "".join(f"{c:>22}" for c in columns))
+    for place, ms in median.items():
+        cells = []
+        for column in columns:
+            value = ms.get(column)
+            same = base and base.get(column.removeprefix("race "))
+            cells.append("-" if value is None else f"{value:.1f}" + (f" ({value / same:.2f}×)" if same else ""))
+        print(f"{place:<10}" + "".join(f"{c:>22}" for c in cells))
+    for place, ms in median.items():
+        print(f"{place}: sdsat ÷ vanilla {ms['sdsat'] / ms['vanilla']:.2f}"
+              + (f", race {ms['race sdsat'] / ms['race vanilla']:.2f}" if "race sdsat" in ms else ""))
     return 0
 
 
