@@ -2,14 +2,15 @@
 
 A SAT row is computed in the same pass as the certain token t, so on its own SAT 1 guesses the token after
 a token it cannot see, and SAT j guesses without drafts 1..j-1. The head closes that gap cheaply: it
-rescores SAT j's own top-K candidates with a small MLP over [SAT j's final hidden state h_j (after the
-final norm), the input embedding of the token before the draft (t for draft 1, draft j-1 after that)]:
+rescores SAT j's own top-K candidates given the token before the draft (t for draft 1, draft j-1 after
+that), prev:
 
-    u_j      = MLP(h_j, E_in[prev], j)                      (H,) a correction in the output-embedding space
-    score_c  = z_j[c] + u_j . E_out[c]   for c in top-K(z_j)  z_j = E_out h_j: the SAT's own logits
+    score_c = z_j[c] + w_j log P(c | prev) + u_j . E_out[c]     for c in top-K(z_j), z_j the SAT's own logits
+    u_j     = MLP(h_j, E_in[prev], j)                          h_j: SAT j's final hidden state (after the norm)
 
-which is the logits row of the shifted state h_j + u_j, read at the K candidates only (a full-vocabulary
-product per draft, sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
+P(c | prev) is a bigram table counted over code and prose on the machine; u_j shifts h_j, so the last
+term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per draft,
+sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
 distribution q_j is the head's exact one: the sampler's warpers and softmax over a row that is -inf
 outside the K candidates, so the accept test min(1, p/q) and the residual stay exact.
 
@@ -38,45 +39,84 @@ class HeadConfig:
 
     base_model: str  # the base model it was trained for (informational)
     hidden_size: int  # H: the base model's hidden size
-    num_sats: int = 5  # SAT positions with a learned bias of their own (= the adapter's largest k)
-    width: int = 512  # hidden units of the MLP
+    num_sats: int = 5  # SAT positions with weights of their own (= the adapter's largest k); later ones share the last
+    width: int = 512  # hidden units of the MLP (0: no MLP, the bigram term alone)
     depth: int = 1  # hidden layers of the MLP (1: one hidden layer; 2: the two-layer variant)
     candidates: int = 16  # K: each SAT's top-K candidates are rescored; the others get no mass
+    vocab_size: int = 0  # V of the bigram table (0: no bigram term)
 
 
 class SamplerHead(nn.Module):
-    """u = MLP([norm(h), norm(E_in[prev])] + bias of position j); scores of the K candidates: z + u . E_out."""
+    """Scores of SAT j's K candidates c given the token before the draft:
+
+        z[c] + w_j * log P(c | prev) + u . E_out[c],   u = MLP([norm(h_j), norm(E_in[prev])] + bias of j)
+
+    P(c | prev) comes from a bigram table counted over text on the machine (`bigram_keys` prev * V + c, sorted,
+    their counts, and each prev's total), read at the K candidates only; w_j is learned per SAT position.
+    """
 
     def __init__(self, config: HeadConfig):
         super().__init__()
         self.config = config
         hidden, width = config.hidden_size, config.width
-        self.norm_h = nn.LayerNorm(hidden)
-        self.norm_prev = nn.LayerNorm(hidden)
-        self.inp = nn.Linear(2 * hidden, width)
-        self.position = nn.Parameter(torch.zeros(config.num_sats, width))  # (num_sats, width)
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(config.depth - 1))
-        self.out = nn.Linear(width, hidden)
-        with torch.no_grad():  # u = 0 at the start: the head begins as the SAT's own ranking
-            self.out.weight.zero_()
-            self.out.bias.zero_()
+        self.pair_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) w_j
+        self.register_buffer("bigram_keys", torch.zeros(0, dtype=torch.long))  # (P,) sorted
+        self.register_buffer("bigram_counts", torch.zeros(0))  # (P,)
+        self.register_buffer("prev_counts", torch.zeros(config.vocab_size))  # (V,)
+        if width:
+            self.norm_h = nn.LayerNorm(hidden)
+            self.norm_prev = nn.LayerNorm(hidden)
+            self.inp = nn.Linear(2 * hidden, width)
+            self.position = nn.Parameter(torch.zeros(config.num_sats, width))  # (num_sats, width)
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(config.depth - 1))
+            self.out = nn.Linear(width, hidden)
+            with torch.no_grad():  # u = 0 at the start
+                self.out.weight.zero_()
+                self.out.bias.zero_()
+
+    def set_bigrams(self, table: dict[str, torch.Tensor]) -> None:
+        """Take a bigram table (`sdsat.train.head.count_bigrams`)."""
+        self.bigram_keys = table["bigram_keys"].long()
+        self.bigram_counts = table["bigram_counts"].float()
+        self.prev_counts = table["prev_counts"].float()
+
+    def pair_logp(self, prev: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """prev (N,), cand (N, K) -> (N, K) smoothed log P(cand | prev) from the bigram table (0 without one)."""
+        if not self.config.vocab_size or not len(self.bigram_keys):
+            return torch.zeros(cand.shape, device=cand.device)
+        keys = prev[:, None].long() * self.config.vocab_size + cand.long()
+        at = torch.searchsorted(self.bigram_keys, keys).clamp(max=len(self.bigram_keys) - 1)
+        count = torch.where(self.bigram_keys[at] == keys, self.bigram_counts[at], torch.zeros((), device=cand.device))
+        return torch.log((count + 0.1) / (self.prev_counts[prev.long()][:, None] + 0.1 * cand.shape[-1]))
 
     def correction(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """h (N, H) SAT hidden states, prev (N, H) input embeddings of the tokens before, slot (N,) j - 1
-        -> u (N, H)."""
+        -> u (N, H) (zeros without an MLP)."""
+        if not self.config.width:
+            return torch.zeros_like(h)
         x = torch.cat([self.norm_h(h), self.norm_prev(prev)], -1)
-        x = nn.functional.gelu(self.inp(x) + self.position[slot.clamp(max=self.config.num_sats - 1)])  # later
-        # SATs than it was trained for share the last position's bias
+        x = nn.functional.gelu(self.inp(x) + self.position[slot])
         for layer in self.layers:
             x = nn.functional.gelu(layer(x))
         return self.out(x)
 
-    def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand_emb: torch.Tensor,
-               cand_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K candidates' scores (N, K) and the correction u (N, H); cand_emb (N, K, H) their output
-        embeddings, cand_logits (N, K) their SAT logits z."""
-        u = self.correction(h, prev, slot)
-        return cand_logits + torch.einsum("nh,nkh->nk", u.to(cand_emb.dtype), cand_emb).to(cand_logits.dtype), u
+    def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
+               cand_logits: torch.Tensor, embed_in: torch.Tensor,
+               embed_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K candidates' scores (N, K) float32 and the correction u (N, H).
+
+        Args:
+            h: (N, H) SAT rows' final hidden states; prev: (N,) the token before each draft; slot: (N,) j - 1.
+            cand: (N, K) each SAT's top candidates; cand_logits: (N, K) their SAT logits z.
+            embed_in / embed_out: (V, H) the model's input and output embeddings.
+        """
+        slot = slot.clamp(max=self.config.num_sats - 1)  # later SATs than trained share the last position's weights
+        dtype = self.pair_weight.dtype
+        u = self.correction(h.to(dtype), embed_in[prev].to(dtype), slot)
+        scores = cand_logits.float() + self.pair_weight[slot, None].float() * self.pair_logp(prev, cand)
+        if self.config.width:
+            scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
+        return scores, u
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
@@ -86,21 +126,18 @@ class SamplerHead(nn.Module):
         Args:
             hidden: (N, H) SAT rows' final hidden states; z: (N, V) their logits (the SATs' own).
             prev: (N,) the token before each draft; slot: (N,) each SAT's index j - 1 in its run.
-            embed_in / embed_out: (V, H) the model's input and output embeddings.
         Decoding (one row at a time) and the drafts benchmark (every row at once) both go through this.
         """
         cand_logits, cand = z.float().topk(self.config.candidates, dim=-1)  # (N, K) each
-        dtype = self.inp.weight.dtype
-        u = self.correction(hidden.to(dtype), embed_in[prev].to(dtype), slot)  # (N, H)
-        scores = cand_logits + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
+        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out)
         return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
 
     def save(self, folder: str | Path) -> None:
-        """float32 weights: they load back bit-exactly."""
+        """float32 weights (the bigram table's keys as integers): they load back bit-exactly."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in self.state_dict().items()},
-                  str(folder / HEAD_WEIGHTS_FILE))
+        save_file({k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+                   for k, v in self.state_dict().items()}, str(folder / HEAD_WEIGHTS_FILE))
         (folder / HEAD_CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
 
     @classmethod
@@ -112,6 +149,8 @@ class SamplerHead(nn.Module):
         except (json.JSONDecodeError, TypeError, SafetensorError, OSError) as err:
             raise ValueError(f"sampler head in {folder} is unreadable ({err}); re-save or re-train it") from err
         head = cls(config)
+        if "bigram_keys" in tensors:
+            head.set_bigrams(tensors)
         try:
             head.load_state_dict(tensors)
         except RuntimeError as err:

@@ -48,6 +48,13 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0) -> SatModel:
                                                    num_sats=4, width=16, candidates=candidates))
         with torch.no_grad():  # a head that really moves q, by the token before each draft
             sat_model.sampler.out.weight.normal_(0, 0.5)
+            sat_model.sampler.pair_weight.fill_(0.5)
+        pairs = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(seed))
+        sat_model.sampler.config.vocab_size = VOCAB
+        sat_model.sampler.set_bigrams({"bigram_keys": (pairs[:-1] * VOCAB + pairs[1:]).unique(),
+                                       "bigram_counts": torch.bincount(pairs[:-1] * VOCAB + pairs[1:])[
+                                           (pairs[:-1] * VOCAB + pairs[1:]).unique()].float(),
+                                       "prev_counts": torch.bincount(pairs[:-1], minlength=VOCAB).float()})
     return sat_model
 
 
@@ -138,6 +145,27 @@ def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(drafters, "head_drafts", misreported)
     p = p_values(tiny_sat_model(head=True), 3, dict(temperature=1.3))
     assert min(p) < ALPHA, p
+
+
+def test_the_bigram_term_reads_the_table_and_round_trips(tmp_path):
+    from sdsat.train.head import count_bigrams
+
+    class Tokens:
+        def encode(self, text):
+            return [int(x) for x in text.split()]
+
+    table = count_bigrams(Tokens(), ["1 2 1 2 1 3", "5 6"], vocab=VOCAB, progress=False)
+    head = SamplerHead(HeadConfig(base_model="tiny", hidden_size=32, num_sats=4, width=0, candidates=3,
+                                  vocab_size=VOCAB))
+    head.set_bigrams(table)
+    logp = head.pair_logp(torch.tensor([1, 4]), torch.tensor([[2, 3, 7], [2, 3, 7]]))
+    # after 1: 2 twice, 3 once, 7 never (smoothed by 0.1 each over the 3 candidates); after 4 nothing: uniform
+    expected = torch.log(torch.tensor([[2.1, 1.1, 0.1], [0.1, 0.1, 0.1]]) / torch.tensor([[3.3], [0.3]]))
+    assert torch.allclose(logp, expected)
+    head.save(tmp_path)
+    loaded = SamplerHead.load(tmp_path)
+    assert torch.equal(loaded.bigram_keys, head.bigram_keys) and loaded.bigram_keys.dtype == torch.long
+    assert torch.equal(loaded.pair_logp(torch.tensor([1, 4]), torch.tensor([[2, 3, 7], [2, 3, 7]])), logp)
 
 
 def test_save_and_load_round_trip(tmp_path):

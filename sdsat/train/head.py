@@ -48,7 +48,8 @@ class HeadTrainConfig:
     out: str = "runs/head/run"  # run folder: checkpoint, record, the trained head (head/)
     features: str = "runs/head/features"  # extracted features (stage 1's output); several: comma-separated, the
     # held-out share is taken from the last
-    width: int = 512  # head: hidden units
+    bigrams: str = ""  # a bigram table (`python -m sdsat.train.head bigrams`) for the head's w_j log P(c | prev)
+    width: int = 512  # head: hidden units of the MLP (0: none, the bigram term alone)
     depth: int = 1  # head: hidden layers (2: the two-layer variant)
     candidates: int = 16  # head: K, top candidates rescored (at most STORED_CANDIDATES)
     steps: int = 1500  # optimizer steps
@@ -69,8 +70,10 @@ class HeadTrainConfig:
     def validate(self) -> None:
         if not 1 <= self.candidates <= STORED_CANDIDATES:
             raise ValueError(f"candidates must be between 1 and {STORED_CANDIDATES}, got {self.candidates}")
-        if self.depth < 1 or self.width < 1 or self.steps < 1 or self.batch_size < 1:
-            raise ValueError("depth, width, steps and batch_size must be at least 1")
+        if self.depth < 1 or self.width < 0 or self.steps < 1 or self.batch_size < 1:
+            raise ValueError("depth, steps and batch_size must be at least 1, width at least 0")
+        if not self.width and not self.bigrams:
+            raise ValueError("a head needs an MLP (width > 0) or a bigram table (--bigrams), or both")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be a share between 0 and 1, got {self.held_out}")
 
@@ -153,8 +156,8 @@ def head_loss(config: HeadTrainConfig, head: SamplerHead, batch: dict[str, torch
     k = config.candidates
     cand, z = batch["cand"][:, :k].long(), batch["cand_logits"][:, :k].float()  # (N, K)
     h, h_std = batch["sat_hidden"].float(), batch["std_hidden"].float()  # (N, H)
-    cand_emb = embed_out[cand].float()  # (N, K, H)
-    scores, u = head.scores(h, embed_in[batch["prev"].long()].float(), batch["slot"].long(), cand_emb, z)
+    cand_emb = embed_out[cand]  # (N, K, H)
+    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out)
     target = batch["target"].long()
     hit = cand == target[:, None]  # (N, K)
     inside = hit.any(-1)
@@ -179,8 +182,8 @@ def evaluate(config: HeadTrainConfig, head: SamplerHead | None, rows: dict[str, 
     for first in range(0, len(slot), batch):
         part = {name: value[first:first + batch] for name, value in rows.items()}
         cand, z = part["cand"][:, :config.candidates].long(), part["cand_logits"][:, :config.candidates].float()
-        scores, _ = head.scores(part["sat_hidden"].float(), embed_in[part["prev"].long()].float(),
-                                part["slot"].long(), embed_out[cand].float(), z)
+        scores, _ = head.scores(part["sat_hidden"].float(), part["prev"].long(), part["slot"].long(), cand, z,
+                                embed_in, embed_out)
         top.append(cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0])
     right = {"head": torch.cat(top) == rows["target"].long(), "sats": rows["cand"][:, 0] == rows["target"]}
     runs = int((slot == 0).sum())
@@ -211,7 +214,10 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     torch.manual_seed(config.seed)
     hidden = train_rows["sat_hidden"].shape[1]
     head = SamplerHead(HeadConfig(base_model=base_model, hidden_size=hidden, num_sats=config.slots,
-                                  width=config.width, depth=config.depth, candidates=config.candidates))
+                                  width=config.width, depth=config.depth, candidates=config.candidates,
+                                  vocab_size=len(embed_out) if config.bigrams else 0))
+    if config.bigrams:
+        head.set_bigrams(torch.load(config.bigrams))
     embed_in, embed_out = embed_in.detach().float(), embed_out.detach().float()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
@@ -247,10 +253,10 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
         optimizer.step()
         scheduler.step()
         done = step + 1
-        record["steps"].append({"step": done, "loss": round(float(loss), 5), **{n: round(v, 5) for n, v in
+        record["steps"].append({"step": done, "loss": round(loss.item(), 5), **{n: round(v, 5) for n, v in
                                                                                parts.items()},
                                 "rows_seen": done * config.batch_size})
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}")
         if done % config.eval_every == 0 or done == config.steps:
             record["evals"].append({"step": done, "acceptance": evaluate(config, head, eval_rows, embed_in,
                                                                          embed_out)})
@@ -280,6 +286,44 @@ def corpus_sequences(folder: Path, modes: list[str]) -> list[tuple[list[int], in
     from .corpus import load_shards
 
     return [(seq["ids"], seq["prompt_tokens"]) for seq in load_shards(folder) if seq["mode"] in modes]
+
+
+def bigram_texts(python_files: int, doc_files: int, seed: int = 0) -> list[str]:
+    """Text for the bigram table: Python files of the standard library and installed packages, and their
+    prose (.md / .rst / .txt), a seeded sample of each; anything overlapping HumanEval is left out."""
+    import random
+
+    from .corpus import python_files as all_python_files, python_roots
+    from .data import HumanEvalFilter
+
+    rng, keep = random.Random(seed), HumanEvalFilter()
+    roots = python_roots()
+    code = all_python_files(roots)
+    docs = sorted({p for root in roots for ext in ("*.md", "*.rst", "*.txt") for p in root.rglob(ext)
+                   if 500 < p.stat().st_size < 400_000})
+    rng.shuffle(code)
+    rng.shuffle(docs)
+    texts = []
+    for path in code[:python_files] + docs[:doc_files]:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if not keep(text):
+            texts.append(text)
+    return texts
+
+
+def count_bigrams(tokenizer, texts: list[str], vocab: int, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Counts of adjacent token pairs over `texts`: {"bigram_keys": (P,) prev * vocab + next, sorted;
+    "bigram_counts": (P,); "prev_counts": (vocab,) how often each token is followed by any}."""
+    keys = []
+    for text in tqdm(texts, desc="bigrams", unit="file", disable=not progress):
+        ids = torch.tensor(tokenizer.encode(text))
+        keys.append(ids[:-1] * vocab + ids[1:])
+    unique, counts = torch.cat(keys).unique(return_counts=True)
+    return {"bigram_keys": unique, "bigram_counts": counts.float(),
+            "prev_counts": torch.bincount(unique // vocab, weights=counts.float(), minlength=vocab)}
 
 
 def stdlib_windows(tokenizer, files: int, length: int = 256, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -319,10 +363,14 @@ def _main(argv: list[str] | None) -> int:
     ex.add_argument("--stride", type=int, default=2, help="a run after every this many positions (default 2)")
     ex.add_argument("--chunk", type=int, default=32, help="sequences per file (default 32)")
     ex.add_argument("--max-sequences", type=int, default=0, help="the first this many sequences only (0: all)")
+    bi = sub.add_parser("bigrams", help="the bigram table the head reads (counts over code and prose on this machine)")
+    bi.add_argument("--out", default="runs/head/bigrams.pt")
+    bi.add_argument("--python-files", type=int, default=1500, help="Python files sampled (default 1500)")
+    bi.add_argument("--doc-files", type=int, default=600, help=".md / .rst / .txt files sampled (default 600)")
     tr = sub.add_parser("train", help="stage 2: train the head over the features")
     for name, value in asdict(HeadTrainConfig()).items():
         tr.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
-    for p in (ex, tr):
+    for p in (ex, bi, tr):
         p.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = vars(parser.parse_args(argv))
@@ -331,8 +379,15 @@ def _main(argv: list[str] | None) -> int:
         torch.set_num_threads(threads)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from ..engine import DEFAULT_ADAPTER, Engine, SatSource
-    from ..models import DEFAULT_MODEL, LoadConfig
+    from ..models import DEFAULT_MODEL, LoadConfig, load_model
 
+    if stage == "bigrams":
+        _, tokenizer = load_model(LoadConfig(model=DEFAULT_MODEL, dtype=dtype, measure_kernels=False))
+        table = count_bigrams(tokenizer, bigram_texts(args["python_files"], args["doc_files"]), len(tokenizer))
+        Path(args["out"]).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(table, args["out"])
+        print(json.dumps({"pairs": len(table["bigram_keys"]), "tokens": int(table["prev_counts"].sum())}))
+        return 0
     adapter = args.pop("adapter", None) or str(DEFAULT_ADAPTER)
     engine = Engine.load(LoadConfig(model=DEFAULT_MODEL, dtype=dtype, measure_kernels=False),
                          SatSource(adapter=adapter) if stage == "extract" else None)
