@@ -626,3 +626,35 @@ def test_the_sat_hooks_are_in_place_only_during_a_pass_with_sat_rows():
             assert hooked_modules() == len(adapter._hooks)
         assert hooked_modules() == len(adapter._hooks)  # the other pass still runs
     assert hooked_modules() == 0
+
+
+@pytest.mark.parametrize("per_position", [False, True])
+def test_the_decoding_path_of_every_llama_layer_matches_the_training_path(per_position):
+    """All seven Llama projections adapted (as the shipped adapter is), shared and per-position updates: SAT
+    logits equal the training path's to float32 rounding, also after B is trained in place; standard rows are
+    bit-equal to the base model's."""
+    model = favourite_llama()
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
+                           num_layers=model.config.num_hidden_layers, num_sats=MAX_K, rank=4,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                           per_position=per_position)
+    adapter = SatAdapter.for_model(model, config, init_token_id=FAVOURITE)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in adapter.lora_b.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), adapter)
+    ids, slots = torch.tensor([[5, 7, 9, 1, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1, 2]])
+    with torch.inference_mode():
+        base = model(input_ids=ids).logits  # a block of the same shape: its first rows are the standard rows'
+        decoding = sat_model.forward(ids, slots)
+    training = sat_model.forward(ids, slots).detach()
+    assert torch.equal(decoding[0, :3], base[0, :3])
+    torch.testing.assert_close(decoding, training, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # B trained in place to zero: the kept copies must follow, and the updates must have counted
+        for b in adapter.lora_b.values():
+            b.zero_()
+    with torch.inference_mode():
+        embeddings_only = sat_model.forward(ids, slots)
+    assert not torch.allclose(decoding[0, 3:], embeddings_only[0, 3:], atol=1e-4)
+    torch.testing.assert_close(embeddings_only, sat_model.forward(ids, slots).detach(), atol=1e-5, rtol=1e-5)
