@@ -11,6 +11,11 @@ keeps one pool, and its workers spin.
 The thread is one per process, as libgomp's pools are; a forked child (ZeroGPU's GPU workers) starts its own.
 Requests are urgent: a long job here (measuring the machine) calls `serve_urgent` between its measurements, so
 a visitor's decode runs there at full speed instead of beside it.
+
+At interpreter exit the thread stops before Python finalizes: queued jobs are dropped, a decode stops at its
+next iteration (`stopping`), and a long job at its next `serve_urgent` (ComputeStopped). A daemon thread caught
+inside torch at finalization is ended by pthread_exit through C++ frames, which aborts the process
+("terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ T = TypeVar("T")
 THREAD_NAME = "sdsat-compute"
 
 
+class ComputeStopped(Exception):
+    """The process is exiting: a long job on the compute thread ends at its next pause."""
+
+
 class ComputeThread:
     """A single daemon thread that runs jobs in order, urgent ones (requests) first."""
 
@@ -35,6 +44,7 @@ class ComputeThread:
         self._ready = threading.Condition()
         self._running = 0  # jobs started and not finished (nested ones count too)
         self._thread: threading.Thread | None = None
+        self.stopping = False  # the interpreter is exiting: jobs end at their next pause
 
     @property
     def on_it(self) -> bool:
@@ -52,8 +62,8 @@ class ComputeThread:
         the job runs after the current one, as any other."""
         future: Future = Future()
         with self._ready:
-            (self._urgent if urgent else self._normal).append((future, fn, args, kwargs))
             self._start()
+            (self._urgent if urgent else self._normal).append((future, fn, args, kwargs))
             self._ready.notify()
         return future
 
@@ -64,9 +74,12 @@ class ComputeThread:
         return self.submit(fn, *args, urgent=urgent, **kwargs).result()
 
     def serve_urgent(self) -> int:
-        """Run the urgent jobs waiting now, when called from this thread (a long job's pause); how many ran."""
+        """Run the urgent jobs waiting now, when called from this thread (a long job's pause); how many ran.
+        Raises ComputeStopped there once the process is exiting."""
         if not self.on_it:
             return 0
+        if self.stopping:
+            raise ComputeStopped("the process is exiting")
         served = 0
         while True:
             with self._ready:
@@ -76,15 +89,33 @@ class ComputeThread:
             self._execute(*job)
             served += 1
 
+    def stop(self) -> None:
+        """Drop the queued jobs and let the running one end at its next pause; the thread then ends."""
+        with self._ready:
+            self.stopping = True
+            dropped = [*self._urgent, *self._normal]
+            self._urgent.clear()
+            self._normal.clear()
+            self._ready.notify_all()
+        for future, *_ in dropped:
+            future.cancel()
+
     def _start(self) -> None:
+        if self.stopping:
+            raise ComputeStopped("the process is exiting")
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            # Not a daemon: the interpreter's exit waits for it, after `stop` (threading's own exit hook,
+            # which runs before that wait; concurrent.futures stops its workers the same way).
+            self._thread = threading.Thread(target=self._loop, name=self.name, daemon=False)
+            threading._register_atexit(self.stop)
             self._thread.start()
 
     def _loop(self) -> None:
         while True:
             with self._ready:
-                self._ready.wait_for(lambda: self._urgent or self._normal)
+                self._ready.wait_for(lambda: self._urgent or self._normal or self.stopping)
+                if self.stopping:
+                    return
                 job = (self._urgent or self._normal).popleft()
             self._execute(*job)
 

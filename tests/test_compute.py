@@ -133,3 +133,33 @@ def test_the_server_decodes_where_libgomp_workers_spin():
         pytest.skip(f"this OpenMP runtime does not throttle a second pool ({threaded:.1f} sleeps per pass)")
     served = _sleeps_per_pass("app")
     assert served < threaded / 5, f"the app's decode sleeps {served:.1f} times a pass (a second pool: {threaded:.1f})"
+
+
+_EXIT_WHILE_BUSY = r"""
+import sys, torch
+from sdsat.compute import compute_thread
+
+def decode_like():  # torch work until the process exits, as a decode checks its should_stop per iteration
+    x = torch.ones(1 << 18)
+    while not compute_thread().stopping:
+        x.add_(1)
+
+def measure_like():  # a long job that pauses between rounds, as the tuning does
+    x = torch.ones(1 << 18)
+    while True:
+        compute_thread().serve_urgent()
+        x.add_(1)
+
+compute_thread().submit(measure_like if sys.argv[1] == "measure" else decode_like)
+compute_thread().submit(print, "a queued job never runs")
+import time; time.sleep(0.5)
+print("main thread done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("job", ["decode", "measure"])
+def test_the_process_exits_cleanly_while_the_compute_thread_works(job):
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BUSY, job], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "main thread done\n" and "terminate called" not in done.stderr

@@ -152,11 +152,12 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
 def _drain(engine: Engine, prompt_ids, config, cancel: threading.Event, limit_s: float, events: queue.Queue) -> None:
     """Decode on the compute thread, handing each event over; the time limit counts from the decode's start, not
     from the time it waited in the queue."""
-    deadline = time.monotonic() + limit_s
+    deadline, compute = time.monotonic() + limit_s, compute_thread()
     try:
         if cancel.is_set():  # given up while it waited
             return
-        for event in engine.stream(prompt_ids, config, lambda: cancel.is_set() or time.monotonic() > deadline):
+        stop = lambda: cancel.is_set() or compute.stopping or time.monotonic() > deadline  # noqa: E731
+        for event in engine.stream(prompt_ids, config, stop):
             events.put(event)
     except Exception as err:  # handed to the page's thread, which raises it
         events.put(err)

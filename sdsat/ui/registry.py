@@ -10,7 +10,7 @@ import threading
 import time
 
 from .. import hardware
-from ..compute import compute_thread
+from ..compute import ComputeStopped, compute_thread
 from ..decoding import DecodeConfig, collect
 from ..engine import Activity, Engine
 from ..errors import first_line
@@ -147,6 +147,8 @@ class EngineCache:
                 with self._locks[engine.name]:  # unless the engine was replaced or its load failed meanwhile
                     if self._engines.get(engine.name) is engine:
                         self._engines[engine.name] = twin
+            except ComputeStopped:  # the process is exiting
+                pass
             except Exception as err:  # the engine serving now keeps its fallback settings
                 log.warning("could not measure the pass costs of %s (%s: %s); auto keeps its fallback settings",
                             engine.name, type(err).__name__, first_line(err), exc_info=True)
