@@ -69,8 +69,9 @@ class EngineCache:
         with self._locks[name]:
             if name not in self._engines:
                 self._raise_recent_failure(name)
-                # on the compute thread, as all of the server's torch work (compute.py)
-                self._engines[name] = compute_thread().run(self._load, name, warm_up)
+                # on the compute thread, as all of the server's torch work (compute.py); a visitor waits for it,
+                # so it is urgent: a measurement under way pauses for it
+                self._engines[name] = compute_thread().run(self._load, name, warm_up, urgent=True)
         return self._engines[name]
 
     def _load(self, name: str, warm_up: bool) -> Engine:
