@@ -1,0 +1,59 @@
+"""The time split of a pass and of a decoding loop (bench/pass_split.py), on a tiny model: the parts add up to
+the measured time, none is counted twice, and timing them leaves the output and the model as they were."""
+
+from __future__ import annotations
+
+import torch
+
+from sdsat import attention, cpu_kernels, tuning
+from sdsat.bench import pass_split
+from sdsat.decoding import DecodeConfig, collect, decode
+from test_decoding import TOKENIZER, make_sat_model
+
+
+def test_a_pass_split_adds_up_to_the_pass_and_names_each_part():
+    sat_model = make_sat_model("adapter")
+    splits = pass_split.split_passes(sat_model, {"one": ("plain", 1), "four": ("plain", 4), "draft": ("draft", 3)},
+                                     context=20, repeats=3)
+    for label, split in splits.items():
+        assert set(split.parts) == set(pass_split.PASS_PARTS)
+        named = sum(v for part, v in split.parts.items() if part != pass_split.OTHER)
+        assert all(v >= 0 for part, v in split.parts.items() if part != pass_split.OTHER)
+        assert named <= split.total_s * 1.02  # no part counted twice (medians of parts: a little slack)
+        assert abs(sum(split.parts.values()) - split.total_s) <= 0.1 * split.total_s
+        for part in (pass_split.PRODUCTS, pass_split.ATTENTION, pass_split.NORMS, pass_split.HEAD):
+            assert split.parts[part] > 0, (label, part)
+    assert splits["draft"].parts[pass_split.SAT_UPDATES] > 0 and splits["one"].parts[pass_split.SAT_UPDATES] == 0
+
+
+def test_the_split_times_the_row_invariant_forms_and_puts_everything_back():
+    sat_model = make_sat_model("adapter")
+    model = sat_model.model
+    with tuning.trying(sat_model, "float32", form=tuning.INVARIANT):
+        assert model.config._attn_implementation == attention.TILED
+        before = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+        hooks = list(sat_model.adapter._hooks)
+        split = pass_split.split_passes(sat_model, {"draft": ("draft", 2)}, context=10, repeats=1)["draft"]
+        assert split.parts[pass_split.ATTENTION] > 0 and split.parts[pass_split.SAT_UPDATES] > 0
+        assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == before
+        assert sat_model.adapter._hooks == hooks
+        assert cpu_kernels.installed_plan(model) is not None
+
+
+def test_a_decode_split_adds_up_and_leaves_the_output_as_it_was():
+    sat_model = make_sat_model("adapter")
+    engine = type("Engine", (), {"sat_model": sat_model, "tokenizer": TOKENIZER, "eos_ids": []})()
+    prompt = [5, 17, 3, 59, 42]
+    splits = {}
+    for method in ("vanilla", "sdsat"):
+        config = DecodeConfig(method=method, k=2, max_new_tokens=12)
+        split, result = pass_split.split_decode(engine, prompt, config)
+        assert result.token_ids == collect(decode(sat_model, TOKENIZER, prompt, config, [])).token_ids
+        assert set(split.parts) == set(pass_split.LOOP_PARTS)
+        assert abs(sum(split.parts.values()) - split.total_s) < 1e-9 and split.parts[pass_split.LOOP] >= 0
+        assert split.parts[pass_split.PASSES] > 0 and split.parts[pass_split.CHOOSING] > 0
+        splits[method] = (split, result)
+    assert splits["sdsat"][0].parts[pass_split.SURGERY] > 0
+    bound = pass_split.arithmetic_bound(splits["vanilla"], splits["sdsat"])
+    assert bound["bound"] > 0 and bound["measured"] > 0
+    assert abs(bound["share_of_bound"] - bound["measured"] / bound["bound"]) < 1e-12
