@@ -117,7 +117,7 @@ def conditioned_draft_pass(ctx: DraftContext, k: int) -> tuple[int, float, torch
         embed_in = sat_model.model.get_input_embeddings().weight
         embed_out = sat_model.model.get_output_embeddings().weight
         q, drafts = head_drafts(head, hidden[1:], logits[1:], int(t[0]), embed_in, embed_out, ctx.chooser.probs,
-                                ctx.chooser.draw)
+                                ctx.chooser.draw, ctx.history)
     return int(t[0]), float(p_t[0]), q, drafts, ctx.clock.now() - start
 
 

@@ -44,6 +44,7 @@ class HeadConfig:
     depth: int = 1  # hidden layers of the MLP (1: one hidden layer; 2: the two-layer variant)
     candidates: int = 16  # K: each SAT's top-K candidates are rescored; the others get no mass
     vocab_size: int = 0  # V of the bigram table (0: no bigram term)
+    context: bool = False  # also v_j log(1 + how often prev was followed by c earlier in this text)
 
 
 class SamplerHead(nn.Module):
@@ -60,6 +61,7 @@ class SamplerHead(nn.Module):
         self.config = config
         hidden, width = config.hidden_size, config.width
         self.pair_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) w_j
+        self.context_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) v_j
         self.register_buffer("bigram_keys", torch.zeros(0, dtype=torch.long))  # (P,) sorted
         self.register_buffer("bigram_counts", torch.zeros(0))  # (P,)
         self.register_buffer("prev_counts", torch.zeros(config.vocab_size))  # (V,)
@@ -101,35 +103,45 @@ class SamplerHead(nn.Module):
         return self.out(x)
 
     def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
-               cand_logits: torch.Tensor, embed_in: torch.Tensor,
-               embed_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor,
+               seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The K candidates' scores (N, K) float32 and the correction u (N, H).
 
         Args:
             h: (N, H) SAT rows' final hidden states; prev: (N,) the token before each draft; slot: (N,) j - 1.
             cand: (N, K) each SAT's top candidates; cand_logits: (N, K) their SAT logits z.
             embed_in / embed_out: (V, H) the model's input and output embeddings.
+            seen: (N, K) how often prev was followed by each candidate earlier in the text (`seen_after`); needed
+                when the head reads the context.
         """
         slot = slot.clamp(max=self.config.num_sats - 1)  # later SATs than trained share the last position's weights
         dtype = self.pair_weight.dtype
         u = self.correction(h.to(dtype), embed_in[prev].to(dtype), slot)
         scores = cand_logits.float() + self.pair_weight[slot, None].float() * self.pair_logp(prev, cand)
+        if self.config.context:
+            if seen is None:
+                raise ValueError("this sampler head reads the context: pass `seen` (seen_after)")
+            scores = scores + self.context_weight[slot, None].float() * torch.log1p(seen.float())
         if self.config.width:
             scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
         return scores, u
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
-               embed_in: torch.Tensor, embed_out: torch.Tensor) -> torch.Tensor:
+               embed_in: torch.Tensor, embed_out: torch.Tensor, history: torch.Tensor | None = None,
+               ends: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (N, V) float32: the K candidates' scores, -inf elsewhere.
 
         Args:
             hidden: (N, H) SAT rows' final hidden states; z: (N, V) their logits (the SATs' own).
             prev: (N,) the token before each draft; slot: (N,) each SAT's index j - 1 in its run.
+            history: (T,) the text's tokens and ends: (N,) where each row's prev stands in it (a head that reads
+                the context needs them).
         Decoding (one row at a time) and the drafts benchmark (every row at once) both go through this.
         """
         cand_logits, cand = z.float().topk(self.config.candidates, dim=-1)  # (N, K) each
-        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out)
+        seen = seen_after(history, ends, cand) if self.config.context else None
+        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out, seen)
         return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
 
     def save(self, folder: str | Path) -> None:
@@ -165,23 +177,37 @@ def head_beside(adapter_folder: str | Path | None) -> SamplerHead | None:
     return SamplerHead.load(adapter_folder)
 
 
+def seen_after(history: torch.Tensor, ends: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """(T,) tokens, (N,) positions in them, (N, K) candidates -> (N, K) how often the token at each row's position
+    was followed by each candidate before it: pairs (history[i], history[i + 1]) with i + 1 <= the row's position."""
+    before = torch.arange(len(history) - 1, device=history.device)[None] < ends[:, None]  # (N, T - 1)
+    prev = history[ends]  # (N,)
+    after = (history[:-1][None] == prev[:, None]) & before  # (N, T - 1): where prev stood earlier
+    return ((history[1:][None, None] == cand[:, :, None]) & after[:, None]).sum(-1)  # (N, K)
+
+
 def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t: int, embed_in: torch.Tensor,
-                embed_out: torch.Tensor, warp, draw) -> tuple[torch.Tensor, torch.Tensor]:
+                embed_out: torch.Tensor, warp, draw, history: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts 1..k in turn, each conditioned on the one before it (draft 1 on t).
 
     Args:
         hidden: (k, H) the SAT rows' final hidden states; logits: (k, V) their logits z.
         warp: (N, V) logits -> (N, V) the sampler's distribution (TokenChooser.probs);
         draw: (N, V) distributions -> (N,) tokens (TokenChooser.draw).
+        history: every token before t (a head that reads the context counts its pairs).
     Returns q (k, V), each row the exact distribution its draft was drawn from, and the drafts (k,).
     """
     rows, drafts, prev = [], [], t
     device = logits.device
+    text = torch.tensor(list(history) + [t] + [0] * len(hidden), device=device)  # drafts fill in as they are drawn
     for j in range(len(hidden)):
+        end = len(text) - len(hidden) + j - 1  # where prev stands
         row = head.logits(hidden[j:j + 1], logits[j:j + 1], torch.tensor([prev], device=device),
-                          torch.tensor([j], device=device), embed_in, embed_out)
+                          torch.tensor([j], device=device), embed_in, embed_out, text[:end + 1],
+                          torch.tensor([end], device=device))
         q = warp(row)  # (1, V)
         prev = int(draw(q)[0])
+        text[end + 1] = prev
         rows.append(q)
         drafts.append(prev)
     return torch.cat(rows), torch.tensor(drafts, device=logits.device)

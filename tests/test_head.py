@@ -49,6 +49,8 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0) -> SatModel:
         with torch.no_grad():  # a head that really moves q, by the token before each draft
             sat_model.sampler.out.weight.normal_(0, 0.5)
             sat_model.sampler.pair_weight.fill_(0.5)
+            sat_model.sampler.context_weight.fill_(1.0)
+        sat_model.sampler.config.context = True  # the text's own pairs too
         pairs = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(seed))
         sat_model.sampler.config.vocab_size = VOCAB
         sat_model.sampler.set_bigrams({"bigram_keys": (pairs[:-1] * VOCAB + pairs[1:]).unique(),
@@ -116,10 +118,12 @@ def test_q_is_the_distribution_each_draft_was_drawn_from():
     prev = [t] + drafts.tolist()[:-1]
     model = sat_model.model
     hidden = sat_model.hidden_states(torch.tensor([PROMPT + [0] * 3]), torch.tensor([[-1] * 3 + [0, 1, 2]]))[0, -3:]
+    text = torch.tensor(PROMPT + [t] + drafts.tolist())
     for j in range(3):  # the same rows again, outside the cache: equal up to rounding
+        end = len(PROMPT) + j  # where draft j + 1's prev stands
         row = sat_model.sampler.logits(hidden[j:j + 1], sat_model.head(hidden[j:j + 1]), torch.tensor([prev[j]]),
                                        torch.tensor([j]), model.get_input_embeddings().weight,
-                                       model.get_output_embeddings().weight)
+                                       model.get_output_embeddings().weight, text, torch.tensor([end]))
         assert torch.allclose(chooser.probs(row)[0], q[j], atol=1e-6)
 
 
@@ -166,6 +170,15 @@ def test_the_bigram_term_reads_the_table_and_round_trips(tmp_path):
     loaded = SamplerHead.load(tmp_path)
     assert torch.equal(loaded.bigram_keys, head.bigram_keys) and loaded.bigram_keys.dtype == torch.long
     assert torch.equal(loaded.pair_logp(torch.tensor([1, 4]), torch.tensor([[2, 3, 7], [2, 3, 7]])), logp)
+
+
+def test_seen_after_counts_the_pairs_before_each_position():
+    from sdsat.head import seen_after
+
+    text = torch.tensor([5, 1, 2, 5, 1, 3, 5, 1])
+    # at position 7 (token 1): 1 was followed by 2 once and by 3 once before; at position 4 (token 1): by 2 once
+    counts = seen_after(text, torch.tensor([7, 4, 0]), torch.tensor([[2, 3, 5], [2, 3, 5], [1, 5, 2]]))
+    assert counts.tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0]]
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -232,7 +245,8 @@ def test_the_drafts_benchmark_reads_the_head_as_decoding_does():
                                   torch.tensor([[-1] * (len(PROMPT) + run) + [0, 1, 2]]))[0, -3:]
     expected = headed.sampler.logits(hidden[j:j + 1], headed.head(hidden[j:j + 1]),
                                      torch.tensor([seq[len(PROMPT) + run + j]]), torch.tensor([j]),
-                                     model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+                                     model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+                                     torch.tensor(seq), torch.tensor([len(PROMPT) + run + j]))
     finite = torch.isfinite(expected[0])
     assert torch.equal(finite, torch.isfinite(conditioned[run, j]))
     assert torch.allclose(expected[0][finite], conditioned[run, j][finite], atol=1e-4)

@@ -100,7 +100,8 @@ def _through_head(sat_model, logits: tuple[torch.Tensor, ...], prompt_ids, outpu
     where = torch.arange(len(prompt_ids), len(prompt_ids) + runs, device=device).repeat_interleave(k) + slot
     with torch.inference_mode():
         student = z if sat_model.sampler is None else sat_model.sampler.logits(
-            sats, z, tokens[where], slot, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+            sats, z, tokens[where], slot, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
+            tokens, where)
     return teacher.view(runs, k, -1), student.view(runs, k, -1), tokens[where + 1].view(runs, k)
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from ..head import HeadConfig, SamplerHead
+from ..head import HeadConfig, SamplerHead, seen_after
 from ..layout import SatLayout
 from .trainer import write_atomically
 
@@ -49,6 +49,7 @@ class HeadTrainConfig:
     features: str = "runs/head/features"  # extracted features (stage 1's output); several: comma-separated, the
     # held-out share is taken from the last
     bigrams: str = ""  # a bigram table (`python -m sdsat.train.head bigrams`) for the head's w_j log P(c | prev)
+    context: bool = False  # the head also reads how often prev was followed by each candidate earlier in the text
     width: int = 512  # head: hidden units of the MLP (0: none, the bigram term alone)
     depth: int = 1  # head: hidden layers (2: the two-layer variant)
     candidates: int = 16  # head: K, top candidates rescored (at most STORED_CANDIDATES)
@@ -72,8 +73,8 @@ class HeadTrainConfig:
             raise ValueError(f"candidates must be between 1 and {STORED_CANDIDATES}, got {self.candidates}")
         if self.depth < 1 or self.width < 0 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("depth, steps and batch_size must be at least 1, width at least 0")
-        if not self.width and not self.bigrams:
-            raise ValueError("a head needs an MLP (width > 0) or a bigram table (--bigrams), or both")
+        if not self.width and not self.bigrams and not self.context:
+            raise ValueError("a head needs an MLP (width > 0), a bigram table (--bigrams) or --context")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be a share between 0 and 1, got {self.held_out}")
 
@@ -106,7 +107,39 @@ def sequence_features(sat_model, ids: list[int], start: int, k: int, stride: int
     target = sat_model.head(standard[where]).argmax(-1)  # the model's own next token after p + j
     return {"sat_hidden": sats.to(torch.bfloat16).cpu(), "std_hidden": standard[where].to(torch.bfloat16).cpu(),
             "cand": cand.int().cpu(), "cand_logits": cand_logits.half().cpu(), "prev": tokens[0, where].int().cpu(),
-            "target": target.int().cpu(), "slot": layout.slot.to(torch.int8)}
+            "target": target.int().cpu(), "slot": layout.slot.to(torch.int8),
+            "seen": seen_after(tokens[0], where, cand).short().cpu()}
+
+
+def add_seen(paths: list[Path], sequences: list[tuple[list[int], int]], k: int, stride: int, chunk: int) -> int:
+    """Give chunks extracted before the context term its counts (`seen_after`), rebuilt from their sequences;
+    returns how many chunks changed. The rows' own `prev` must match the sequences (ValueError otherwise)."""
+    changed = 0
+    for index, path in enumerate(paths):
+        rows = torch.load(path)
+        if not rows or "seen" in rows:
+            continue
+        seen = []
+        for ids, start in sequences[index * chunk:(index + 1) * chunk]:
+            anchors = torch.arange(max(start - 1, 0), len(ids) - k - 1, stride)
+            if len(anchors):
+                where = SatLayout.runs_at(len(ids), anchors, k).target_positions
+                seen.append((torch.tensor(ids), where))
+        where_all = torch.cat([w for _, w in seen])
+        prev = torch.cat([ids[w] for ids, w in seen])
+        if len(prev) != len(rows["prev"]) or not torch.equal(prev.int(), rows["prev"]):
+            raise ValueError(f"{path} does not match these sequences: extract it again with the same source")
+        counts, offset = [], 0
+        for ids, w in seen:
+            counts.append(seen_after(ids, w, rows["cand"][offset:offset + len(w)].long()))
+            offset += len(w)
+        rows["seen"] = torch.cat(counts).short()
+        assert len(where_all) == len(rows["seen"])
+        tmp = path.with_suffix(".tmp")
+        torch.save(rows, tmp)
+        tmp.replace(path)
+        changed += 1
+    return changed
 
 
 def extract(sat_model, sequences: list[tuple[list[int], int]], out: Path, k: int = 4, stride: int = 2,
@@ -157,7 +190,8 @@ def head_loss(config: HeadTrainConfig, head: SamplerHead, batch: dict[str, torch
     cand, z = batch["cand"][:, :k].long(), batch["cand_logits"][:, :k].float()  # (N, K)
     h, h_std = batch["sat_hidden"].float(), batch["std_hidden"].float()  # (N, H)
     cand_emb = embed_out[cand]  # (N, K, H)
-    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out)
+    seen = batch["seen"][:, :k] if config.context else None
+    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out, seen)
     target = batch["target"].long()
     hit = cand == target[:, None]  # (N, K)
     inside = hit.any(-1)
@@ -183,7 +217,7 @@ def evaluate(config: HeadTrainConfig, head: SamplerHead | None, rows: dict[str, 
         part = {name: value[first:first + batch] for name, value in rows.items()}
         cand, z = part["cand"][:, :config.candidates].long(), part["cand_logits"][:, :config.candidates].float()
         scores, _ = head.scores(part["sat_hidden"].float(), part["prev"].long(), part["slot"].long(), cand, z,
-                                embed_in, embed_out)
+                                embed_in, embed_out, part["seen"][:, :config.candidates] if config.context else None)
         top.append(cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0])
     right = {"head": torch.cat(top) == rows["target"].long(), "sats": rows["cand"][:, 0] == rows["target"]}
     runs = int((slot == 0).sum())
@@ -215,7 +249,9 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     hidden = train_rows["sat_hidden"].shape[1]
     head = SamplerHead(HeadConfig(base_model=base_model, hidden_size=hidden, num_sats=config.slots,
                                   width=config.width, depth=config.depth, candidates=config.candidates,
-                                  vocab_size=len(embed_out) if config.bigrams else 0))
+                                  vocab_size=len(embed_out) if config.bigrams else 0, context=config.context))
+    if config.context and "seen" not in train_rows:
+        raise ValueError("--context needs features with context counts: run `python -m sdsat.train.head seen` on them")
     if config.bigrams:
         head.set_bigrams(torch.load(config.bigrams))
     embed_in, embed_out = embed_in.detach().float(), embed_out.detach().float()
@@ -363,13 +399,18 @@ def _main(argv: list[str] | None) -> int:
     ex.add_argument("--stride", type=int, default=2, help="a run after every this many positions (default 2)")
     ex.add_argument("--chunk", type=int, default=32, help="sequences per file (default 32)")
     ex.add_argument("--max-sequences", type=int, default=0, help="the first this many sequences only (0: all)")
+    ex.add_argument("--add-seen", action="store_true",
+                    help="only give chunks extracted before the context term their context counts (same source)")
     bi = sub.add_parser("bigrams", help="the bigram table the head reads (counts over code and prose on this machine)")
     bi.add_argument("--out", default="runs/head/bigrams.pt")
     bi.add_argument("--python-files", type=int, default=1500, help="Python files sampled (default 1500)")
     bi.add_argument("--doc-files", type=int, default=600, help=".md / .rst / .txt files sampled (default 600)")
     tr = sub.add_parser("train", help="stage 2: train the head over the features")
     for name, value in asdict(HeadTrainConfig()).items():
-        tr.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        if isinstance(value, bool):
+            tr.add_argument("--" + name.replace("_", "-"), action="store_true")
+        else:
+            tr.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     for p in (ex, bi, tr):
         p.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -397,6 +438,11 @@ def _main(argv: list[str] | None) -> int:
                      else stdlib_windows(engine.tokenizer, args["stdlib"]))
         if args["max_sequences"]:
             sequences = sequences[:args["max_sequences"]]
+        if args["add_seen"]:
+            paths = sorted(Path(args["out"]).glob("chunk-*.pt"))
+            changed = add_seen(paths, sequences, args["k"], args["stride"], args["chunk"])
+            print(json.dumps({"chunks": len(paths), "given_context_counts": changed}))
+            return 0
         paths = extract(engine.sat_model, sequences, Path(args["out"]), args["k"], args["stride"], args["chunk"])
         print(json.dumps({"chunks": len(paths), "sequences": len(sequences)}))
         return 0
