@@ -4,7 +4,7 @@ Greedy SDSAT reproduces vanilla decoding only if a token's logits come out the s
 computed alone (vanilla) or as one row of a verify block. Batched attention breaks that: a block's
 row also "sees" the keys masked out for it, so its softmax sum and its product with the values run
 over a longer axis than the same row alone, and the kernels pick their order of operations by the
-shapes (how many rows, how many keys, how the threads split them). Two ways around it:
+shapes (how many rows, how many keys, how the threads split them). Three ways around it:
 
 * Tiled (`TILED`): every attention call has the same shape, whatever the block. Rows go in tiles of
   `TILE_ROWS` (a short tile padded with zero queries); a row's keys are padded, masked, to the next
@@ -14,14 +14,24 @@ shapes (how many rows, how many keys, how the threads split them). Two ways arou
   a tile of its own whose keys are its own gathered into a prefix, and those tiles go in one batched
   call (the same products, more of them). Off the kernels' guarantees, so the tuner checks it on each
   machine (costs.check_rows) before using it. A few calls per layer, however many rows.
+* Keyed (`KEYED`): bfloat16 only (other dtypes take the tiled form). Rows are cut only where their padded
+  key counts differ, with no padding queries: a lone row costs one row's products, a block a few calls
+  per layer. It rests on bfloat16 batched products (oneDNN's on CPUs with AVX-512 BF16 or AMX) giving a
+  row the same bits whatever the number of rows beside it, which float32's BLAS does not; the tuner checks
+  it per machine like the tiled form. Its numerics are eager attention's in bfloat16: scores and the
+  weighted values are bfloat16 products, the softmax runs in float32.
 * Per row (`PER_ROW`): each row attends over exactly the keys it sees, alone. Invariant wherever one
   kernel call is deterministic, but one call per row and layer: the fallback.
 
-Both cut a draft tree's node to its own keys (the cache, then its ancestors) before attending.
+All three cut a draft tree's node to its own keys (the cache, then its ancestors) before attending. The tiled and
+keyed forms run on one thread whatever torch's thread count: their products are a few thousand multiply-adds
+per head, less than what handing half of them to a second core costs (on 2 busy cores a one-row pass's
+attention took 2 to 3 times as long on two threads as on one). Their results do not depend on it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +39,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-TILED, PER_ROW = "sdsat_tiled", "sdsat_row_invariant"
+TILED, KEYED, PER_ROW = "sdsat_tiled", "sdsat_keyed", "sdsat_row_invariant"
 TILE_ROWS = 8  # query rows per call
 KEY_BLOCK = 64  # keys are padded to a multiple of this
 
@@ -130,17 +140,19 @@ class _Layout:
 
 
 def _tile_mask(tile: _Tile, group: int, device) -> torch.Tensor:
-    """(1, group * TILE_ROWS, keys) additive mask, the same for every key head: row r sees counts[r] keys."""
+    """(1, group * rows, keys) additive mask, the same for every key head: row r sees counts[r] keys (rows:
+    TILE_ROWS in the tiled form, the tile's own in the keyed form)."""
     if tile.mask is not None:
         return tile.mask
     counts = torch.tensor(tile.counts, device=device)
-    mask = torch.zeros(TILE_ROWS, tile.keys, device=device).masked_fill_(
+    mask = torch.zeros(len(tile.counts), tile.keys, device=device).masked_fill_(
         torch.arange(tile.keys, device=device) >= counts[:, None], float("-inf"))
     return mask.repeat(group, 1)[None]
 
 
-def _tile(first: int, lengths: list[int], keys: int) -> _Tile:
-    return _Tile(first, first + len(lengths), lengths + [1] * (TILE_ROWS - len(lengths)), keys)
+def _tile(first: int, lengths: list[int], keys: int, size: int | None = TILE_ROWS) -> _Tile:
+    """Rows first.. seeing `lengths` keys, padded with rows that see one key to `size` rows (None: no padding)."""
+    return _Tile(first, first + len(lengths), lengths + [1] * ((size or 0) - len(lengths)), keys)
 
 
 def _gathered_mask(gathered: _Gathered, group: int, kv_heads: int, device) -> torch.Tensor:
@@ -151,18 +163,20 @@ def _gathered_mask(gathered: _Gathered, group: int, kv_heads: int, device) -> to
     return masks.expand(kv_heads, *masks.shape).reshape(-1, *masks.shape[1:])
 
 
-def _gather(attention_mask: torch.Tensor, rows: list[int], padded: int, zero: int) -> _Gathered:
+def _gather(attention_mask: torch.Tensor, rows: list[int], padded: int, zero: int, size: int | None) -> _Gathered:
     """`rows` of the block with their keys' indices, `padded` per row, the padding at index `zero` (a zero key)."""
     indices = [_seen(attention_mask, t) for t in rows]
     index = torch.full((len(rows), padded), zero, dtype=torch.long, device=attention_mask.device)
     for i, seen in enumerate(indices):
         index[i, :seen.numel()] = seen
     return _Gathered(torch.tensor(rows, device=attention_mask.device), index.view(-1),
-                     [_tile(0, [seen.numel()], padded) for seen in indices], padded)
+                     [_tile(0, [seen.numel()], padded, size) for seen in indices], padded)
 
 
 def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, kv_heads: int,
-            device) -> _Layout:
+            device, size: int | None = TILE_ROWS) -> _Layout:
+    """size: rows per tile, short tiles padded to it (the tiled form); None: a tile holds every row of a run
+    with one padded key count, unpadded (the keyed form)."""
     if attention_mask is None:  # causal
         lengths, prefix = [keys - rows + t + 1 for t in range(rows)], [True] * rows
     else:
@@ -178,11 +192,11 @@ def _layout(attention_mask: torch.Tensor | None, rows: int, keys: int, group: in
             t += 1
             continue
         end, padded = t + 1, _padded(lengths[t])
-        while end < rows and end - t < TILE_ROWS and prefix[end] and _padded(lengths[end]) == padded:
+        while end < rows and (size is None or end - t < size) and prefix[end] and _padded(lengths[end]) == padded:
             end += 1
-        tiles.append(_tile(t, lengths[t:end], padded))
+        tiles.append(_tile(t, lengths[t:end], padded, size))
         t = end
-    gathered = [_gather(attention_mask, nodes[i:i + GATHER_ROWS], padded, keys)
+    gathered = [_gather(attention_mask, nodes[i:i + GATHER_ROWS], padded, keys, size)
                 for padded, nodes in by_keys.items() for i in range(0, len(nodes), GATHER_ROWS)]
     if len(tiles) + sum(len(g.tiles) for g in gathered) <= KEEP_MASKS:  # a prompt's prefill makes its masks
         for tile in tiles:  # at each call instead of holding them all
@@ -197,25 +211,42 @@ _LAST: tuple | None = None  # (mask, shape, layout) of the latest pass: every la
 
 
 def _layout_of(attention_mask: torch.Tensor | None, rows: int, keys: int, group: int, kv_heads: int,
-               device) -> _Layout:
+               device, size: int | None = TILE_ROWS) -> _Layout:
     global _LAST
-    shape = (rows, keys, group, kv_heads, str(device), TILE_ROWS, KEY_BLOCK)
+    shape = (rows, keys, group, kv_heads, str(device), size, KEY_BLOCK)
     last = _LAST
     if last is not None and last[0] is attention_mask and last[1] == shape:
         return last[2]
-    layout = _layout(attention_mask, rows, keys, group, kv_heads, device)
+    layout = _layout(attention_mask, rows, keys, group, kv_heads, device, size)
     _LAST = (attention_mask, shape, layout)  # keeps the mask alive, so `is` cannot match a new one
     return layout
 
 
-def _padded_float(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(1, Hkv, S, D) as float32 (Hkv, width, D), zeros past S: finite, and masked for every row."""
-    out = x.new_empty((x.shape[1], width, x.shape[3]), dtype=torch.float32)
+def _on_one_thread(attend):
+    """`attend` with torch's thread count set to 1 while it runs (see the module's docstring)."""
+    @functools.wraps(attend)
+    def on_one_thread(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return attend(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return attend(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return on_one_thread
+
+
+def _padded_float(x: torch.Tensor, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(1, Hkv, S, D) as `dtype` (Hkv, width, D), zeros past S: finite, and masked for every row."""
+    out = x.new_empty((x.shape[1], width, x.shape[3]), dtype=dtype)
     out[:, :x.shape[2]] = x[0]
     out[:, x.shape[2]:] = 0
     return out
 
 
+@_on_one_thread
 def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """The signature of `per_row_attention`. Every product has TILE_ROWS rows per query head and a multiple of
@@ -250,6 +281,46 @@ def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     return out, None
 
 
+@_on_one_thread
+def keyed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """The signature of `per_row_attention`. In bfloat16, one call per run of rows with one padded key count
+    (a multiple of KEY_BLOCK), with just those rows; gathered rows (a tree's runner-ups) as in the tiled form,
+    one row each. Other dtypes, and soft-capped scores, take `tiled_attention`."""
+    if query.dtype != torch.bfloat16 or kwargs.get("softcap"):
+        return tiled_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    _check(query)
+    _, heads, rows, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    layout = _layout_of(attention_mask, rows, keys, group, kv_heads, query.device, size=None)
+    width = max(layout.keys, keys + 1 if layout.gathered else keys)
+    key, value = (_padded_float(x, width, x.dtype) for x in (key, value))
+    out = query.new_empty((1, rows, heads, dim))
+    for tile in layout.tiles:
+        n, padded = tile.last - tile.first, tile.keys
+        q = query[0, :, tile.first:tile.last].reshape(kv_heads, group * n, dim)
+        o = _attend_half(q, key[:, :padded], value[:, :padded], _tile_mask(tile, group, query.device), scaling)
+        out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(
+            o.view(kv_heads, group, n, dim).permute(2, 0, 1, 3))
+    for nodes in layout.gathered:  # batch index: key head, then row, as _gathered_mask has it
+        m, padded = nodes.rows.numel(), nodes.keys
+        q = query[0].index_select(1, nodes.rows).view(kv_heads, group, m, dim).transpose(1, 2)
+        k, v = (x.index_select(1, nodes.index).view(kv_heads * m, padded, dim) for x in (key, value))
+        o = _attend_half(q.reshape(kv_heads * m, group, dim), k, v,
+                         _gathered_mask(nodes, group, kv_heads, query.device), scaling)
+        out[0].index_copy_(0, nodes.rows, o.view(kv_heads, m, group, dim).permute(1, 0, 2, 3).reshape(m, heads, dim))
+    return out, None
+
+
+def _attend_half(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+    """Batched (B, M, D) half-precision queries over (B, S, D) keys and values under a float32 additive mask
+    broadcast to (B, M, S): products in q's dtype, the softmax in float32, as eager attention computes."""
+    scores = torch.add(mask, torch.bmm(q, k.transpose(1, 2)), alpha=scaling)  # float32: the mask's dtype
+    return torch.bmm(torch.softmax(scores, -1).to(q.dtype), v)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
             softcap: float | None) -> torch.Tensor:
     """Batched (B, M, D) queries over (B, S, D) keys and values under an additive mask broadcast to (B, M, S)."""
@@ -260,9 +331,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.bmm(torch.softmax(scores, -1), v)
 
 
-def register() -> tuple[str, str]:
-    """Make both forms selectable as `model.set_attn_implementation(TILED or PER_ROW)`."""
-    for name, function in ((TILED, tiled_attention), (PER_ROW, per_row_attention)):
+def register() -> tuple[str, str, str]:
+    """Make the forms selectable as `model.set_attn_implementation(TILED, KEYED or PER_ROW)`."""
+    for name, function in ((TILED, tiled_attention), (KEYED, keyed_attention), (PER_ROW, per_row_attention)):
         AttentionInterface.register(name, function)
         AttentionMaskInterface.register(name, sdpa_mask)
-    return TILED, PER_ROW
+    return TILED, KEYED, PER_ROW

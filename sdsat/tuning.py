@@ -4,12 +4,13 @@ For each precision the machine offers (on a CPU: float32 and bfloat16; elsewhere
 float32 for a small model loaded in half precision) it
 measures the pass-cost curve and checks whether a row of a block comes out as it does alone
 (costs.py). On a CPU each precision is tried in its row-invariant forms first: products through
-oneDNN in chunks (cpu_kernels.invariant_plan) and attention in fixed-shape tiles, else one row at a
-time (attention.py). Where such a form passes the row check, SDSAT decodes in it, and so does the
-vanilla decode it is compared with. The other forms' one-token passes (the routed form: the fastest
-kernel per row count, cpu_kernels.tune; the per-row attention, faster for one row) are timed too, for
-the fastest vanilla decoding. The planner (planner.py) then picks the precision and settings with the
-best predicted speed-up over the fastest vanilla decoding of any precision and form.
+oneDNN in chunks (cpu_kernels.invariant_plan) and attention in runs of rows with one key count
+(bfloat16), in fixed-shape tiles, else one row at a time (attention.py). Where such a form passes the row
+check, SDSAT decodes in it, and so does the vanilla decode it is compared with. The other forms' one-token
+passes (the routed form: the fastest kernel per row count, cpu_kernels.tune; the per-row attention, faster
+for one row) are timed too, for the fastest vanilla decoding. The planner (planner.py) then picks the
+precision and settings with the best predicted speed-up over the fastest vanilla decoding of any precision
+and form.
 
 Rule for forms whose rows are not bit-equal alone and batched: greedy SDSAT decodes in a bit-equal
 form whenever one was measured. Only when none is (no oneDNN, a GPU) may it use a form whose rows
@@ -45,10 +46,12 @@ from .planner import TRACE_FILE, Plan, Trace, choose
 log = logging.getLogger(__name__)
 
 CPU_PRECISIONS = ("float32", "bfloat16")
-# The forms of a precision on a CPU: row-invariant products with tiled or per-row attention, or routed.
-INVARIANT, PER_ROW, ROUTED = "row-invariant", "row-invariant per-row", "routed"
-EXACT_FORMS = (INVARIANT, PER_ROW)  # tried in this order; the first whose rows check bit-equal is SDSAT's
-_FORMAT = 6
+# The forms of a precision on a CPU: row-invariant products with keyed (bfloat16), tiled or per-row attention,
+# or routed (attention.py).
+KEYED, INVARIANT, PER_ROW, ROUTED = "row-invariant keyed", "row-invariant", "row-invariant per-row", "routed"
+EXACT_FORMS = (KEYED, INVARIANT, PER_ROW)  # tried in this order (KEYED in bfloat16 only, see exact_forms); the
+# first whose rows check bit-equal is SDSAT's
+_FORMAT = 7
 MEASURE_ROUNDS = 2  # a noisy curve: the precisions measured now are measured once more (see `tune`)
 TUNING_FILE = "tuning.json"  # the measurements, in the engine's cache folder (default_model.cache_dir)
 
@@ -140,8 +143,8 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form in EXACT_FORMS and on_cpu
-    tiled, per_row = attention.register()
-    model.set_attn_implementation((tiled if form == INVARIANT else per_row) if invariant else "sdpa")
+    tiled, keyed, per_row = attention.register()
+    model.set_attn_implementation({INVARIANT: tiled, KEYED: keyed, PER_ROW: per_row}[form] if invariant else "sdpa")
     if invariant:
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
@@ -182,9 +185,9 @@ def in_form(sat_model, precision: str, kernels: bool, form: str) -> bool:
 def form_of(model: torch.nn.Module) -> str:
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
-    if plan is None or not plan.invariant or attn not in (attention.TILED, attention.PER_ROW):
+    if plan is None or not plan.invariant or attn not in (attention.TILED, attention.KEYED, attention.PER_ROW):
         return ROUTED
-    return INVARIANT if attn == attention.TILED else PER_ROW
+    return {attention.TILED: INVARIANT, attention.KEYED: KEYED}.get(attn, PER_ROW)
 
 
 @contextlib.contextmanager
@@ -293,7 +296,13 @@ class _Steps:
 def _steps_per_precision(sat_model, precision: str, kernels: bool) -> int:
     """Measurement steps of one precision when its first row-invariant form checks out: that form's curve and
     row check, then the other forms' one-token passes; one step where no invariant form exists."""
-    return len(EXACT_FORMS) + 1 if _invariant_forms(sat_model, precision, kernels) else 1
+    return len(exact_forms(precision)) + 1 if _invariant_forms(sat_model, precision, kernels) else 1
+
+
+def exact_forms(precision: str) -> tuple[str, ...]:
+    """The row-invariant forms tried for `precision`, in order: the keyed attention is bfloat16's alone (in
+    other precisions it would compute as the tiled form does)."""
+    return EXACT_FORMS if precision == "bfloat16" else tuple(f for f in EXACT_FORMS if f != KEYED)
 
 
 def _invariant_forms(sat_model, precision: str, kernels: bool) -> bool:
@@ -307,13 +316,13 @@ def _invariant_forms(sat_model, precision: str, kernels: bool) -> bool:
 def _measure(sat_model, precision: str, kernels: bool, steps: _Steps) -> _Measured:
     """SDSAT's form of `precision` with its curve and row check, and the other forms' one-token seconds."""
     if _invariant_forms(sat_model, precision, kernels):
-        for form in EXACT_FORMS:
+        for form in exact_forms(precision):
             with steps.step(f"{precision} {form}: cost curve and row check"), \
                     trying(sat_model, precision, kernels, form), torch.inference_mode():
                 curve, rows = measure_curve(sat_model), check_rows(sat_model)
             if rows.invariant:
                 others = {}
-                for other in [f for f in EXACT_FORMS if f != form] + [ROUTED]:
+                for other in [f for f in exact_forms(precision) if f != form] + [ROUTED]:
                     what = "kernel plan and one-token pass" if other == ROUTED else "one-token pass"
                     with steps.step(f"{precision} {other}: {what}"), trying(sat_model, precision, kernels, other), \
                             torch.inference_mode():

@@ -139,13 +139,16 @@ def _attend(function, query, key, value, seen):
     return function(None, query, key, value, None if seen is None else seen[None, None], 0.125)[0]
 
 
+@pytest.mark.parametrize("form", [tuning.INVARIANT, tuning.KEYED])
 @pytest.mark.parametrize("precision", tuning.CPU_PRECISIONS)
-def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tree_gaps(precision):
-    """What the tiled form rests on, on this machine's kernels: a block's row t equals the same token attending
-    alone over its keys, with blocks wider than a tile and key counts on both sides of a KEY_BLOCK boundary;
+def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tree_gaps(precision, form):
+    """What the tiled and keyed forms rest on, on this machine's kernels: a block's row t equals the same token
+    attending alone over its keys, with blocks wider than a tile and key counts on both sides of a KEY_BLOCK
+    boundary;
     a tree node (keys with gaps) equals its keys gathered; and the result is attention (close to SDPA's).
     No kernel promises the bit-equality: where a CPU breaks it, the tuner's row check must say so (then
     SDSAT decodes with per-row attention, and this test is skipped)."""
+    attend = sdsat_attention.tiled_attention if form == tuning.INVARIANT else sdsat_attention.keyed_attention
     torch.manual_seed(0)
     dtype, heads, kv_heads, dim = getattr(torch, precision), 6, 2, 16
     tile, block = sdsat_attention.TILE_ROWS, sdsat_attention.KEY_BLOCK
@@ -156,10 +159,10 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
         key, value = (torch.randn(1, kv_heads, keys, dim).to(dtype) for _ in range(2))
         causal = torch.arange(keys)[None, :] <= cached + torch.arange(rows)[:, None]
         for seen in (None, causal):
-            out = _attend(sdsat_attention.tiled_attention, query, key, value, seen)
+            out = _attend(attend, query, key, value, seen)
             for t in range(rows):
                 n = cached + t + 1
-                alone = _attend(sdsat_attention.tiled_attention, query[:, :, t:t + 1], key[:, :, :n],
+                alone = _attend(attend, query[:, :, t:t + 1], key[:, :, :n],
                                 value[:, :, :n], None)
                 differ += not torch.equal(out[:, t], alone[:, 0])
         reference = torch.nn.functional.scaled_dot_product_attention(
@@ -178,17 +181,17 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
                 seen[node, cached + ancestor], ancestor = True, parents[ancestor]
         query = torch.randn(1, heads, len(parents), dim).to(dtype)
         key, value = (torch.randn(1, kv_heads, seen.shape[1], dim).to(dtype) for _ in range(2))
-        out = _attend(sdsat_attention.tiled_attention, query, key, value, seen)
+        out = _attend(attend, query, key, value, seen)
         for node in range(len(parents)):
             index = seen[node].nonzero().squeeze(-1)
-            alone = _attend(sdsat_attention.tiled_attention, query[:, :, node:node + 1], key[:, :, index],
+            alone = _attend(attend, query[:, :, node:node + 1], key[:, :, index],
                             value[:, :, index], None)
             differ += not torch.equal(out[:, node], alone[:, 0])
     if differ:
         sat_model = make_sat_model("adapter")
-        with tuning.trying(sat_model, precision, form=tuning.INVARIANT):
+        with tuning.trying(sat_model, precision, form=form):
             assert not check_rows(sat_model).invariant, f"{differ} tiled rows differ here, but the row check passed"
-        pytest.skip(f"tiled attention is not row-invariant on this CPU's kernels ({differ} rows differ)")
+        pytest.skip(f"{form} attention is not row-invariant on this CPU's kernels ({differ} rows differ)")
 
 
 def test_both_forms_soft_cap_scores_as_gemma2_does_and_a_capped_row_is_the_same_alone():
