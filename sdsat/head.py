@@ -163,6 +163,7 @@ class SamplerHead(nn.Module):
         head = cls(config)
         if "bigram_keys" in tensors:
             head.set_bigrams(tensors)
+        tensors.setdefault("context_weight", torch.zeros(config.num_sats))  # saved before the context term
         try:
             head.load_state_dict(tensors)
         except RuntimeError as err:

@@ -142,8 +142,8 @@ def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch):
     shift the output beyond the test's tolerance: the test has power over the head's q."""
     honest = head_drafts
 
-    def misreported(head, hidden, logits, t, embed_in, embed_out, warp, draw):
-        _, drafts = honest(head, hidden, logits, t, embed_in, embed_out, warp, draw)
+    def misreported(head, hidden, logits, t, embed_in, embed_out, warp, draw, history=()):
+        _, drafts = honest(head, hidden, logits, t, embed_in, embed_out, warp, draw, history)
         return warp(logits), drafts
 
     monkeypatch.setattr(drafters, "head_drafts", misreported)
