@@ -23,6 +23,9 @@ MAX_TOP_K = 1000
 MAX_SEED = 2**31 - 1
 RESIDUAL_SHOWN = 5  # a rejection's residual distribution: this many of its top tokens are recorded
 NUCLEUS_CANDIDATES = 256  # top-p looks for the nucleus among this many top tokens before sorting a whole row
+WIDE_NUCLEUS_CANDIDATES = 4096  # and then among this many: a partial sort of them costs a seventh of a whole
+# row's sort on a 49k vocabulary (AMD EPYC, 1 thread: 0.5 ms against 3.5 ms). SmolLM2-135M's nuclei at top-p
+# 0.95 on 3 prompts: at T 0.7 all within 256 tokens (max 80); at T 1, 7% between 257 and 4096, none wider
 
 
 @dataclass
@@ -51,8 +54,9 @@ class PartialSortTopP:
 
     A token is kept when the probability of the tokens ranked above it is below top_p (so the top token
     always is). That rule reads only the top tokens: when the nucleus ends within the NUCLEUS_CANDIDATES
-    highest logits, a partial sort of them decides it, and rows whose nucleus is wider go to transformers'
-    warper, which sorts them whole (docs/architecture.md, "Sampling cost"). Where tied logits or float
+    highest logits, a partial sort of them decides it; rows whose nucleus is wider try the
+    WIDE_NUCLEUS_CANDIDATES highest, and rows wider still go to transformers' warper, which sorts them whole
+    (docs/architecture.md, "Sampling cost"). Where tied logits or float
     rounding decide the nucleus's edge, the two may keep a different token; p, q and vanilla sampling all
     go through this one, so sampling stays exact.
     """
@@ -63,16 +67,25 @@ class PartialSortTopP:
 
     def __call__(self, input_ids, scores: torch.Tensor) -> torch.Tensor:
         """(N, V) logits -> (N, V) the same logits, -inf outside each row's nucleus; `input_ids` is unused."""
+        out, wider = self._within(scores, NUCLEUS_CANDIDATES)
+        if bool(wider.any()):  # the nucleus may go on past the candidates
+            more, wider_still = self._within(scores[wider], WIDE_NUCLEUS_CANDIDATES)
+            if bool(wider_still.any()):
+                more[wider_still] = self.whole_rows(None, scores[wider][wider_still])
+            out[wider] = more
+        return out
+
+    def _within(self, scores: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, V) logits -> (the logits, -inf outside each row's nucleus among its `candidates` highest; (N,) True
+        where the nucleus may go on past them, so that row is not decided yet)."""
         vocabulary = scores.shape[-1]
-        top = scores.topk(min(NUCLEUS_CANDIDATES, vocabulary), dim=-1)  # (N, m), highest first
+        top = scores.topk(min(candidates, vocabulary), dim=-1)  # (N, m), highest first
         probs = (top.values - scores.logsumexp(-1, keepdim=True)).exp()
         keep = probs.cumsum(-1) - probs < self.top_p  # mass above each candidate below top_p: a prefix
         kept = top.values.masked_fill(~keep, float("-inf"))
         out = torch.full_like(scores, float("-inf")).scatter_(-1, top.indices, kept)
         wider = keep.all(-1) if top.values.shape[-1] < vocabulary else torch.zeros_like(keep[:, 0])
-        if bool(wider.any()):  # the nucleus may go on past the candidates
-            out[wider] = self.whole_rows(None, scores[wider])
-        return out
+        return out, wider
 
 
 def _cumulative(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
