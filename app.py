@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 
-import spaces  # noqa: F401  (first: on ZeroGPU it must patch torch before anything starts CUDA)
+import sdsat  # noqa: F401  (first: run as `python app.py`, it makes Ctrl-C during start-up one line and exit 130)
+import spaces  # noqa: F401  (then: on ZeroGPU it must patch torch before anything starts CUDA; sdsat imports no torch)
 import gradio as gr
 
 from sdsat import ASSETS
@@ -31,6 +32,7 @@ from sdsat.ui.zerogpu import on_zero_gpu
 
 DIAGRAM = ASSETS / "sdsat_diagram.svg"
 HOW_IT_WORKS = ASSETS / "how_it_works.md"
+GLOSSARY = ASSETS / "glossary.md"
 
 limits = Limits.from_env()
 page = Page(limits)  # the engine cache inside is the only object shared between visitors
@@ -73,7 +75,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                   info="auto: the k, prompt lookup and draft tree predicted fastest from this "
                                        "machine's pass costs, measured once, behind the page (see This machine, under "
                                        "the plots). "
-                                       "paper: the paper's two-step SATs alone. Both give output identical to vanilla.")
+                                       "paper: the paper's two-step SATs alone. In both, greedy output is identical to "
+                                       "vanilla's and sampled output has the same distribution.")
                 # what auto chose here and why, or why it keeps its defaults (filled once the model has loaded)
                 auto_note = gr.HTML("", js_on_load=None, elem_id="auto-note")
                 # While this machine is measured behind the page: the note and This machine follow the measurement,
@@ -91,12 +94,13 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                                        label="Prompt lookup: copied tokens to verify (0 = off)",
                                        info="Not in the paper: where the last tokens occurred before, SDSAT verifies "
                                             "up to this many tokens copied from there instead of SAT drafts. "
-                                            "Fast on code, which repeats its names; outputs stay identical.")
+                                            "Fast on code, which repeats its names; greedy output stays identical.")
                     tree = gr.Slider(0, MAX_TREE_CANDIDATES, value=FALLBACK["tree_candidates"], step=1, elem_id="tree",
                                      label="Draft tree: runner-up candidates to verify too (0 = off)",
                                      info="Not in the paper: the verify pass also checks the SATs' second choices "
-                                          "(sampling: further draws, tried in turn), which on a CPU ride along at "
-                                          "almost no cost.")
+                                          "(sampling: further draws, tried in turn). They make the verify pass wider: "
+                                          "on a GPU almost free, on a CPU often not (auto adds them only where this "
+                                          "machine's measured pass costs say they pay; see This machine).")
                     with gr.Group(visible=False) as sampling_box:
                         temperature = gr.Slider(0.05, MAX_TEMPERATURE, value=PAGE_SAMPLING["temperature"], step=0.05,
                                                 label="Temperature")
@@ -151,7 +155,9 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             gr.Markdown(
                 "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), "
                 "measured inside the decoder.\n"
-                "- **Speed-up**: SDSAT tokens/s ÷ vanilla tokens/s, same prompt, same run, same machine.\n"
+                "- **Speed-up**: SDSAT tokens/s ÷ vanilla tokens/s, same prompt, same run, same machine, both in the "
+                "same numerics; where another precision or form of vanilla is faster here, the headline adds the "
+                "speed-up against that fastest vanilla (estimated from the measured pass times).\n"
                 "- **Tokens per iteration** (mean accepted length): new tokens per SDSAT iteration, *counting* the "
                 "step-1 token t and the bonus token — so it is 2 + accepted drafts, "
                 "and 2.0 means no draft was accepted "
@@ -163,6 +169,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                 "the share in which draft *i* was accepted.\n"
                 "- **Timing honesty**: the two decoders run one after the other in a worker thread that does nothing "
                 "else; the page updates in between never fall inside a decoder's clock.")
+        with gr.Accordion("Glossary: the terms this page uses", open=False, elem_id="glossary"):
+            gr.Markdown(GLOSSARY.read_text() if GLOSSARY.is_file() else "")
         with gr.Accordion("Run data (JSON, also returned by the API)", open=False):
             run_data = gr.JSON(label="Run data")
 
@@ -207,12 +215,24 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
             gr.Plot(bench.figure, show_label=False, elem_id="bench-chart")
         else:
             gr.HTML(bench.message, js_on_load=None)
-        for suite in bench.suites:
+        def suite_box(suite):
             with gr.Accordion(f"{suite.title} · {short_machine(suite.machine)}", open=False):
                 gr.HTML(suite.html, js_on_load=None)
                 if suite.downloads:
                     gr.File(value=suite.downloads, file_count="multiple", label=f"{suite.key}: result files",
                             interactive=False)
+
+        question = None
+        for suite in bench.suites:  # the latest suite per question, grouped under it
+            if suite.question != question:
+                question = suite.question
+                gr.Markdown(f"#### {question}", elem_classes="bench-question")
+            suite_box(suite)
+        if bench.history:
+            with gr.Accordion(f"History: {len(bench.history)} earlier suites, newest first (other adapters, "
+                              "code and settings)", open=False, elem_id="bench-history"):
+                for suite in bench.history:
+                    suite_box(suite)
 
     # -- wiring ---------------------------------------------------------------------------------------
     outputs = dict(headline=headline, vanilla=vanilla_out, sdsat=sdsat_out, race_plot=race_plot,

@@ -19,7 +19,7 @@ from sdsat.decoding import StepRecord
 from sdsat.hardware import hardware_line
 from sdsat.models import DEFAULT_MODEL
 from sdsat.planner import Settings, predict
-from sdsat.ui import benchmark, explorer
+from sdsat.ui import explorer
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.headline import headline_html
 from sdsat.ui.machine import race_costs
@@ -604,62 +604,6 @@ def test_preload_settles_auto_without_measuring_before_the_page(default_engine, 
     assert "not measured on ZeroGPU" in controls["auto_note"] and controls["k"]["value"] == FALLBACK["k"]
     assert "not measured on ZeroGPU" in controls["machine"]  # and no GPU named: that would start CUDA
     assert zero.generate_sync(GOOD | dict(max_new_tokens=3))["predicted_speedup"] is None
-
-
-# -- benchmark tab ----------------------------------------------------------------------------------------
-def test_benchmark_tab_without_and_with_results(tmp_path):
-    view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
-    assert "No benchmark results yet" in view.message and view.figure is None and view.suites == []
-    (tmp_path / "summary.json").write_text(json.dumps(
-        {"machine": "2 vCPU <b>, 2 cores, fp32", "notes": ["a < b", "c"], "command": "python -m sdsat.bench",
-         "rows": [{"method": "vanilla", "tokens/s": 20.04, "speed-up vs vanilla (median)": 1.0, "pass@1": 0.0},
-                  {"method": "sdsat<script>", "tokens/s": 30.55, "speed-up vs vanilla (median)": 1.234567,
-                   "acceptance by draft position": [0.64, 0.4, 0.26, 0.33, 0.28, 0.25], "pass@1": 0.0}]}))
-    (tmp_path / "results.md").write_text("| method |")
-    suite = benchmark.load_suite(tmp_path, "humaneval-16", "HumanEval", tmp_path / "dl")
-    assert "sdsat&lt;script&gt;" in suite.html and "<script>" not in suite.html
-    assert "1.23×" in suite.html and "30.6" in suite.html and "0.64 · 0.40 · 0.26 · 0.33 · 0.28 …" in suite.html
-    assert "[0.64" not in suite.html and "Left out, 0 or – in every row: pass@1" in suite.html  # no empty column
-    assert "<li>a &lt; b</li>" in suite.html and "<code>python -m sdsat.bench</code>" in suite.html
-    assert sorted(Path(p).name for p in suite.downloads) == ["humaneval-16-results.md", "humaneval-16-summary.json"]
-    assert benchmark.short_machine(suite.machine) == "2 vCPU <b>, 2 cores"
-
-
-def test_benchmark_tab_charts_every_suite_with_its_machine(tmp_path):
-    row = {"method": "sdsat_greedy k=3 +lookup+tree", "speed-up vs vanilla (median)": 1.5}
-    (tmp_path / "summary.json").write_text(json.dumps({"machine": "AMD EPYC, 2 cores, x", "rows": [row]}))
-    (tmp_path / "chat").mkdir()
-    (tmp_path / "chat" / "summary.json").write_text(json.dumps(
-        {"machine": "Intel Xeon, 2 cores",
-         "rows": [row | {"speed-up vs vanilla (median)": 0.9},
-                  {"method": "prompt_lookup k=10", "speed-up vs vanilla (median)": 1.1}]}))
-    view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
-    assert [s.key for s in view.suites] == ["humaneval-16", "chat-6"]  # the order of SUITES
-    assert ("AMD EPYC, 2 cores and Intel Xeon, 2 cores" in view.intro
-            and "Race** tab measures your own run" in view.intro)
-    bars = {trace.name: (list(trace.y), list(trace.x)) for trace in view.figure.data}  # horizontal: y names the suite
-    fastest = bars[benchmark.CHART_METHODS["sdsat_greedy k=3 +lookup+tree"]]
-    assert fastest[1] == [1.5, 0.9] and "AMD EPYC, 2 cores" in fastest[0][0] and "Intel Xeon, 2 cores" in fastest[0][1]
-    assert bars[benchmark.CHART_METHODS["prompt_lookup k=10"]][1] == [1.1]
-
-
-def test_benchmark_chart_takes_the_fastest_vanilla_and_auto_rows_where_a_suite_has_them(tmp_path):
-    """A suite that timed vanilla in several forms charts its speed-ups against the fastest one, and its
-    auto row (named after the settings auto chose) under the auto bar; a GPU suite names its device."""
-    folder = tmp_path / "gpu-h200-float32"
-    folder.mkdir()
-    rows = [{"method": "sdsat_greedy k=3 +lookup+tree", "speed-up vs vanilla (median)": 2.0,
-             "speed-up vs fastest vanilla (median)": 1.6},
-            {"method": "sdsat_greedy auto (k=2 +lookup+tree7)", "speed-up vs vanilla (median)": 2.5}]
-    (folder / "summary.json").write_text(json.dumps(
-        {"machine": "Intel(R) Xeon(R) Processor (flags: avx2, amx_tile), 16 cores, 16 torch threads, "
-                    "cuda:0 float32, torch 2.11.0", "rows": rows}))
-    view = benchmark.bench_page(tmp_path, download_dir=tmp_path / "dl")
-    bars = {trace.name: list(trace.x) for trace in view.figure.data}
-    assert bars[benchmark.CHART_METHODS["sdsat_greedy k=3 +lookup+tree"]] == [1.6]
-    assert bars[benchmark.CHART_METHODS["sdsat_greedy auto"]] == [2.5]
-    assert view.suites[0].title.startswith("HumanEval 0–7 on an NVIDIA H200")
-    assert benchmark.short_machine(view.suites[0].machine) == "GPU (cuda:0 float32)"
 
 
 # -- chat -------------------------------------------------------------------------------------------------

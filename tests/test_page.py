@@ -386,13 +386,17 @@ def test_browser_benchmark_tab_leads_with_its_chart(server, browser):
         assert "measured on AMD EPYC, 2 cores" in intro and "Race tab measures your own run" in intro
         page.screenshot(path=str(SCREENS / "desktop_benchmark.png"))
         assert page.locator(".bench-table:visible").count() == 0  # folded
-        page.get_by_text("HumanEval, all 164 problems").first.click()
+        page.get_by_text("HumanEval 16–35, greedy").first.click()  # the first current suite
         table = page.locator(".bench-table:visible").first
         table.wait_for(timeout=10_000)
-        assert "1.63×" in table.inner_text() and "0.64 · 0.40" in table.inner_text()
+        assert "1.42×" in table.inner_text() and "0.64 · 0.39" in table.inner_text()
         assert "[0.64" not in page.locator("body").inner_text()
         files = page.locator("body").inner_text()
-        assert "humaneval-164-results" in files and "humaneval-164-summary" in files  # downloads named by suite
+        assert "stage4-humaneval-16-35-results" in files and "stage4-humaneval-16-35-summary" in files  # by folder
+        assert page.get_by_text("HumanEval, all 164 problems").count() == 0 or \
+            not page.get_by_text("HumanEval, all 164 problems").first.is_visible()  # older suites: under History
+        page.locator("#bench-history").get_by_text("History:").first.click()
+        page.get_by_text("HumanEval, all 164 problems").first.wait_for(timeout=10_000)
         assert page.get_by_text("Figures", exact=True).count() == 0  # the empty gallery is gone
 
 
