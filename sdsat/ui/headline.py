@@ -33,8 +33,35 @@ def check_html(record: RaceRecord) -> str:
                 f'greedy decoding{partial}. SDSAT is lossless.</div>')
     a, b = record.vanilla.token_ids, record.sdsat.token_ids
     first = next((i for i in range(n) if a[i] != b[i]), n)
-    return (f'<div class="check bad">✗ Outputs differ at token {first + 1} of {n}. In float32 on a CPU this should '
-            'not happen; in float16 / bfloat16 near-ties can flip between a one-token and a multi-token pass.</div>')
+    decoding = record.costs.decoding if record.costs is not None else ""
+    return (f'<div class="check bad">✗ Outputs differ at token {first + 1} of {n}. '
+            f'{esc(mismatch_meaning(decoding))}</div>')
+
+
+# What a greedy mismatch means, per numerics both decoders ran in (tuning.py's forms; docs/architecture.md).
+MISMATCH = {
+    "row-invariant": "In a row-invariant form a token's logits are bit-equal alone and in a block (the row check "
+                     "verified it when this machine was measured), so greedy SDSAT must equal vanilla: this is a "
+                     "bug. Please report the prompt and settings.",
+    "float32": "In float32 with the fastest kernels (routed), or on a GPU, a row in a block differs from a "
+               "one-token pass by rounding only, so a top token can flip where two logits nearly tie: rare, "
+               "and not a bug.",
+    "half": "In float16 or bfloat16 outside a row-invariant form (a GPU, or quantized), a row in a block differs "
+            "from a one-token pass by up to tenths of a logit, so greedy outputs often differ (transformers' own "
+            "prompt lookup as well).",
+}
+
+
+def mismatch_meaning(decoding: str) -> str:
+    """What a greedy mismatch means in `decoding` (e.g. "bfloat16 row-invariant"; "" when the machine was not
+    measured in the race's numerics, then every case is named)."""
+    if "row-invariant" in decoding:
+        return f"Both decoded in {decoding}. " + MISMATCH["row-invariant"]
+    if decoding.startswith("float32"):
+        return f"Both decoded in {decoding}. " + MISMATCH["float32"]
+    if decoding:
+        return f"Both decoded in {decoding}. " + MISMATCH["half"]
+    return " ".join(MISMATCH.values())
 
 
 def _mean_pass_ms(steps) -> float:
