@@ -13,6 +13,12 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from .interrupt import take_over_if_a_command
+
+# Started as `python -m sdsat` or `python app.py`: from here on, before the imports that take seconds, Ctrl-C ends
+# the process with one line and exit status 130 (interrupt.py says why it cannot be a KeyboardInterrupt then).
+take_over_if_a_command()
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"  # shipped adapters, prompts, results, page text
 
 _PUBLIC = {
