@@ -195,11 +195,13 @@ def test_ctrl_c_keeps_completed_runs(tmp_path):
         assert proc.poll() is None, f"the benchmark ended early: {proc.stderr.read().decode()[-2000:]}"
         assert results.exists(), "no prompt finished in time"
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
+        _, err = proc.communicate(timeout=60)  # reads and closes the pipe
+        code = proc.returncode
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert code == 130, proc.stderr.read().decode()[-2000:]
+            proc.communicate()
+    assert code == 130, err.decode()[-2000:]
     payload = json.loads(results.read_text())
     assert payload["interrupted"] and not payload["complete"]
     assert len(payload["runs"]) >= 2

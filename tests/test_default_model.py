@@ -23,12 +23,40 @@ DEAD_PID = 4_000_000  # above Linux's largest pid: no process has it
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def built() -> Path:
+    """The default-model cache this test run built (the first build de-quantizes the GGUF file for real)."""
+    return default_model_folder()
+
+
+@pytest.fixture
+def cache(built, tmp_path, monkeypatch) -> Path:
     """A copy of the built default-model cache in a folder of this test's own (SDSAT_CACHE)."""
-    built = default_model_folder()
     monkeypatch.setenv("SDSAT_CACHE", str(tmp_path))
     shutil.copytree(built, tmp_path / DEFAULT_MODEL)
     return tmp_path / DEFAULT_MODEL
+
+
+@pytest.fixture
+def quick_rebuild(built, monkeypatch):
+    """A rebuild reads the built float weights instead of de-quantizing the GGUF file again, which takes a minute
+    on 2 cores: what these tests assert is how a damaged cache is found, set aside, rebuilt (saved, its manifest
+    written last, renamed into place) and loaded. The de-quantization itself runs in the run's first build and in
+    test_space.py's Space start."""
+    import transformers
+
+    def from_built(loader):
+        def load(folder, *args, gguf_file=None, **kwargs):
+            if gguf_file is None:  # not a build: the model as the engine loads it
+                return loader(folder, *args, **kwargs)
+            loaded = loader(built, *args, **kwargs)
+            if hasattr(loaded, "config"):
+                loaded.config.quantization_config = None  # as a GGUF load has it; _build drops it before saving
+            return loaded
+        return load
+
+    for name in ("AutoModelForCausalLM", "AutoTokenizer"):
+        cls = getattr(transformers, name)
+        monkeypatch.setattr(cls, "from_pretrained", from_built(cls.from_pretrained))
 
 
 def test_a_built_cache_has_a_manifest_of_every_file(cache: Path):
@@ -38,7 +66,7 @@ def test_a_built_cache_has_a_manifest_of_every_file(cache: Path):
     assert is_complete(cache)
 
 
-def test_a_truncated_cache_is_set_aside_and_rebuilt(cache: Path, caplog):
+def test_a_truncated_cache_is_set_aside_and_rebuilt(cache: Path, quick_rebuild, caplog):
     weights = cache / "model.safetensors"
     size = weights.stat().st_size
     with open(weights, "r+b") as f:
@@ -51,7 +79,7 @@ def test_a_truncated_cache_is_set_aside_and_rebuilt(cache: Path, caplog):
     assert sorted(p.name for p in cache.parent.iterdir()) == [DEFAULT_MODEL]  # nothing set aside is left
 
 
-def test_a_cache_of_the_right_sizes_that_fails_to_load_is_rebuilt_once(cache: Path, caplog):
+def test_a_cache_of_the_right_sizes_that_fails_to_load_is_rebuilt_once(cache: Path, quick_rebuild, caplog):
     weights = cache / "model.safetensors"
     with open(weights, "r+b") as f:  # same size, unreadable header
         f.write(b"\xff" * 64)

@@ -121,9 +121,11 @@ def goodness_of_fit(samples: Counter, joint: np.ndarray) -> float:
     for tokens, count in samples.items():
         observed[np.ravel_multi_index(tokens, joint.shape)] = count
     assert observed[expected == 0].sum() == 0, "sampled a sequence the warpers rule out"
+    expected, observed = expected[expected > 0], observed[expected > 0]
     rare = expected < 5
-    obs = np.append(observed[~rare], observed[rare].sum())
-    exp = np.append(expected[~rare], expected[rare].sum())
+    obs, exp = observed[~rare], expected[~rare]
+    if rare.any():  # no empty pooled cell: its 0/0 term would make the p-value NaN, which `min` then skips
+        obs, exp = np.append(obs, observed[rare].sum()), np.append(exp, expected[rare].sum())
     exp *= obs.sum() / exp.sum()  # exact up to float rounding
     return stats.chisquare(obs, exp).pvalue
 
