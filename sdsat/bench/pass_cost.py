@@ -7,7 +7,10 @@ kernels differ. This measures it on the loaded model, with a KV cache of `--cont
 plain causal blocks (what vanilla, prompt lookup and SDSAT's verify pass feed) and for SDSAT draft
 blocks [token, SAT x k]. Sizes are interleaved in every repeat; medians are reported.
 `--compare-kernels` measures with the routed CPU kernels (`sdsat/cpu_kernels.py`) and with plain
-`nn.Linear`, switching between them round by round.
+`nn.Linear`, switching between them round by round. `--compare-forms` measures, in `--precision`, every
+row-invariant form's attention (tuning.exact_forms) on the row-invariant products, switching round by round,
+and compares each form's passes with the cheapest one-token pass among them (issue 38's aims: SDSAT's form
+against the per-row form the fastest vanilla may run in, and a draft pass against a plain pass as wide).
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ def compare_report(results: dict[str, dict], context: int) -> str:
     return "\n".join(lines)
 
 
+def forms_summary(results: dict[str, dict]) -> str:
+    """Each form's one-token pass against the cheapest among the forms, and its draft passes against a plain
+    pass of the same width in the same form."""
+    cheapest = min(results, key=lambda name: results[name]["plain"][1])
+    lines = [f"one-token pass against {cheapest}'s ({results[cheapest]['plain'][1] * 1e3:.1f} ms):"]
+    for name, costs in results.items():
+        ratios = [f"[t, SAT×{k}] {s / costs['plain'][k + 1]:.2f}× plain {k + 1}" for k, s in costs["draft"].items()
+                  if k + 1 in costs["plain"]]
+        lines.append(f"- {name}: {costs['plain'][1] / results[cheapest]['plain'][1]:.3f}×"
+                     + (f"; draft pass {', '.join(ratios)}" if ratios else ""))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdsat.bench.pass_cost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-kernels", action="store_true",
                         help="measure with the routed CPU kernels and with nn.Linear as is, interleaved round by round "
                              "(default off)")
+    parser.add_argument("--compare-forms", action="store_true",
+                        help="measure every row-invariant form of attention in --precision, interleaved round by "
+                             "round (default off)")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"),
+                        help="convert the model to this precision first (default: as loaded; --compare-forms: "
+                             "bfloat16)")
     parser.add_argument("--json", metavar="OUT",
                         help="also write the medians (seconds) and the machine here (default: none)")
     args = parser.parse_args(argv)
@@ -120,7 +142,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     sizes = sorted(set(args.tokens) | {1})
-    if args.compare_kernels:
+    precision = args.precision or ("bfloat16" if args.compare_forms else None)
+    if precision and not args.compare_forms:  # in the form a plain start loads
+        from .. import tuning
+
+        tuning.set_precision(engine.sat_model, precision, not args.no_cpu_kernels, tuning.ROUTED)
+    if args.compare_forms:
+        from .. import attention, tuning
+
+        forms = tuning.exact_forms(precision)
+        tuning.set_precision(engine.sat_model, precision, not args.no_cpu_kernels, forms[-1])
+        if tuning.form_of(engine.model) != forms[-1]:
+            print("error: --compare-forms needs a CPU whose torch runs the row-invariant products", file=sys.stderr)
+            return 2
+        names = {tuning.KEYED: attention.KEYED, tuning.INVARIANT: attention.TILED, tuning.PER_ROW: attention.PER_ROW}
+        model = engine.model
+        settings = {form: (lambda name=names[form]: model.set_attn_implementation(name)) for form in forms}
+        results = measure_settings(engine, sizes, args.context, args.repeats, settings)
+        text = compare_report(results, args.context) + "\n\n" + forms_summary(results)
+    elif args.compare_kernels:
         from .. import cpu_kernels
 
         model = engine.model

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -128,7 +127,7 @@ def _pass_patches(sat_model, timer: _Timer) -> list[tuple[object, str, object]]:
 
 def split_passes(sat_model, blocks: dict[str, tuple[str, int]], context: int = 256, repeats: int = 10,
                  seed: int = 0) -> dict[str, Split]:
-    """Median split of each block kind behind `context` cached tokens: {label: ("plain", T) or ("draft", k)},
+    """The median round's split of each block kind behind `context` cached tokens: {label: ("plain", T) or ("draft", k)},
     a draft block being [t, SAT x k]. Blocks are interleaved round by round; the first round is dropped."""
     gen = torch.Generator().manual_seed(seed)
     device = sat_model.device
@@ -162,8 +161,8 @@ def _with_rest(total: float, seconds: dict[str, float], parts: tuple[str, ...]) 
 
 
 def _median(splits: list[Split]) -> Split:
-    return Split(statistics.median(s.total_s for s in splits),
-                 {part: statistics.median(s.parts[part] for s in splits) for part in splits[0].parts})
+    """The round whose total is the median (the lower one of an even count), whole: its parts add up to it."""
+    return sorted(splits, key=lambda split: split.total_s)[(len(splits) - 1) // 2]
 
 
 def split_decode(engine, prompt_ids: list[int], config) -> tuple[Split, object]:
@@ -243,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = arithmetic_bound(loops["vanilla"], loops["sdsat"])
     info = machine_info(engine)
     print(f"{info.get('cpu', '')}, {torch.get_num_threads()} threads, KV cache of {args.context} tokens; "
-          f"median ms per pass and its share")
+          f"ms of the median pass (its parts add up to it) and each part's share")
     print(table(passes, PASS_PARTS))
     print()
     print(table({method: split for method, (split, _) in loops.items()}, LOOP_PARTS))
