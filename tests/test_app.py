@@ -6,7 +6,6 @@ import json
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import gradio as gr
 import pytest
