@@ -33,19 +33,32 @@ MIN_TRIES = 20  # a pass rate from fewer tries is too thin to plan with
 
 def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: int) -> list[list[int]]:
     """Per output position n, the ranks of output tokens n + 1 .. n + depth among SATs 1..depth at the draft
-    pass fed the token before position n (positions past the output are left out of the row)."""
+    pass fed the token before position n (positions past the output are left out of the row). With a sampler
+    head (head.py), among the head's scores, SAT d conditioned on output token n + d - 1 (a token outside its
+    candidates ranks after all of them)."""
     device = sat_model.device
     cache = DynamicCache(config=sat_model.model.config)
     seq = prompt_ids + output_ids
     slots = torch.cat([torch.tensor([-1]), torch.arange(depth)])[None].to(device)
     ranks = []
+    head = sat_model.sampler if getattr(sat_model, "plain_head", False) else None
+    text = torch.tensor(seq, device=device)
+    embed_in = sat_model.model.get_input_embeddings().weight
+    embed_out = sat_model.model.get_output_embeddings().weight
     with torch.inference_mode():
         if len(prompt_ids) > 1:
             sat_model.forward(torch.tensor([prompt_ids[:-1]], device=device), cache=cache, logits_to_keep=1)
         for n in range(len(output_ids)):
             t = seq[len(prompt_ids) + n - 1]
             ids = torch.tensor([[t] + [0] * depth], device=device)
-            logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=depth + 1)[0, 1:]
+            if head is None:
+                logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=depth + 1)[0, 1:]
+            else:  # the sampler head's scores, SAT d conditioned on the output token before the one it drafts
+                hidden = sat_model.hidden_states(ids, slots, cache=cache)[0, 1:]
+                ends = torch.arange(len(prompt_ids) + n, len(prompt_ids) + n + depth, device=device)
+                ends = ends.clamp(max=len(seq) - 1)
+                logits = head.logits(hidden, sat_model.head(hidden), text[ends], torch.arange(depth, device=device),
+                                     embed_in, embed_out, text, ends)
             cache.crop(-depth)  # the SATs leave the cache, t stays
             row = []
             for d in range(1, depth + 1):
