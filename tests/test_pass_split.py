@@ -3,7 +3,6 @@ the measured time, none is counted twice, and timing them leaves the output and 
 
 from __future__ import annotations
 
-import torch
 
 from sdsat import attention, cpu_kernels, tuning
 from sdsat.bench import pass_split

@@ -127,8 +127,9 @@ def _pass_patches(sat_model, timer: _Timer) -> list[tuple[object, str, object]]:
 
 def split_passes(sat_model, blocks: dict[str, tuple[str, int]], context: int = 256, repeats: int = 10,
                  seed: int = 0) -> dict[str, Split]:
-    """The median round's split of each block kind behind `context` cached tokens: {label: ("plain", T) or ("draft", k)},
-    a draft block being [t, SAT x k]. Blocks are interleaved round by round; the first round is dropped."""
+    """The median round's split of each block kind behind `context` cached tokens: {label: ("plain", T) or
+    ("draft", k)}, a draft block being [t, SAT x k].
+    Blocks are interleaved round by round; the first round is dropped."""
     gen = torch.Generator().manual_seed(seed)
     device = sat_model.device
     vocab = sat_model.model.get_input_embeddings().weight.shape[0]
@@ -143,7 +144,8 @@ def split_passes(sat_model, blocks: dict[str, tuple[str, int]], context: int = 2
             for label, (kind, size) in blocks.items():
                 width = size if kind == "plain" else size + 1
                 ids = torch.randint(0, vocab, (1, width), generator=gen).to(device)
-                slots = None if kind == "plain" else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device)
+                slots = (None if kind == "plain"
+                         else torch.cat([torch.tensor([-1]), torch.arange(size)])[None].to(device))
                 timer.seconds.clear()
                 start = timing.now(device)
                 with torch.inference_mode():
