@@ -1,19 +1,21 @@
 """Train the sampler head (sdsat/head.py) over stored features of a frozen model and its frozen SAT adapter.
 
-Two stages, each resumable, `python -m sdsat.train.head`:
-  1. extract: the base model and the shipped adapter run once over a self-distillation corpus
-     (`python -m sdsat.train.corpus`), a run of SATs after every `stride`-th completion position, under the
-     training's mask. Per SAT row it keeps what the head reads and learns from: the SAT's final hidden
-     state, its top candidates and their logits, the token before the drafted one, the model's own greedy
-     token there (the target), and the standard token's final hidden state at that position (the latent
-     target). One file per chunk of sequences, written atomically; a stopped run resumes at the first missing
-     chunk.
-  2. train: the head learns over those rows in minutes. Teacher forcing with the true previous token is
+Stages of `python -m sdsat.train.head`, each resumable:
+  1. extract: the base model and the shipped adapter run once over text, a run of SATs after every `stride`-th
+     position, under the training's mask. The text is a self-distillation corpus (`--corpus`, built by
+     `python -m sdsat.train.corpus`) or windows of standard-library files (`--stdlib`, no generation). Per SAT
+     row it keeps what the head reads and learns from: the SAT's final hidden state, its top candidates and
+     their logits, the token before the drafted one, the model's own greedy token there (the target), the
+     standard token's final hidden state at that position (the latent target), and how often the token before
+     was followed by each candidate earlier in the text. One file per chunk of sequences, written atomically;
+     a stopped run resumes at the first missing chunk (`--add-seen` gives older chunks the counts).
+  2. bigrams: a table of adjacent-token counts over Python files and their prose on this machine.
+  3. train: the head learns over the stored rows in minutes. Teacher forcing with the true previous token is
      exactly the decoding-time input: draft j matters only when drafts 1..j-1 were accepted, i.e. equal the
      model's own tokens. Loss per row: cross-entropy of the target among the K candidates, weighted up where
      the SAT's own top choice misses it (on-policy: where the current drafts fail); KL from the model's
-     distribution over the candidates (which sampling's accept test rewards); a latent consistency term
-     pulling h_j + u toward the standard token's state. Seeded, checkpointed, a progress bar, a record.
+     distribution over the candidates (which sampling's accept test rewards); with an MLP, a latent consistency
+     term pulling h_j + u toward the standard token's state. Seeded, checkpointed, a progress bar, a record.
 """
 
 from __future__ import annotations
