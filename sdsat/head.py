@@ -5,11 +5,13 @@ a token it cannot see, and SAT j guesses without drafts 1..j-1. The head closes 
 rescores SAT j's own top-K candidates given the token before the draft (t for draft 1, draft j-1 after
 that), prev:
 
-    score_c = z_j[c] + w_j log P(c | prev) + u_j . E_out[c]     for c in top-K(z_j), z_j the SAT's own logits
-    u_j     = MLP(h_j, E_in[prev], j)                          h_j: SAT j's final hidden state (after the norm)
+    score_c = z_j[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + u_j . E_out[c]    for c in top-K(z_j)
+    u_j     = MLP(h_j, E_in[prev], j)          z_j: the SAT's own logits, h_j: its final hidden state (after the norm)
 
-P(c | prev) is a bigram table counted over code and prose on the machine; u_j shifts h_j, so the last
-term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per draft,
+P(c | prev) is a bigram table counted over code and prose on the machine, n(prev, c) how often prev was
+followed by c earlier in this text (the prompt and what was decoded); each term is optional. The shipped
+head has the two table terms and no MLP (its record, sampler_head_record.json, says why). u_j shifts h_j,
+so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per draft,
 sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
 distribution q_j is the head's exact one: the sampler's warpers and softmax over a row that is -inf
 outside the K candidates, so the accept test min(1, p/q) and the residual stay exact.
@@ -40,7 +42,7 @@ class HeadConfig:
     base_model: str  # the base model it was trained for (informational)
     hidden_size: int  # H: the base model's hidden size
     num_sats: int = 5  # SAT positions with weights of their own (= the adapter's largest k); later ones share the last
-    width: int = 512  # hidden units of the MLP (0: no MLP, the bigram term alone)
+    width: int = 512  # hidden units of the MLP (0: no MLP, the table terms alone)
     depth: int = 1  # hidden layers of the MLP (1: one hidden layer; 2: the two-layer variant)
     candidates: int = 16  # K: each SAT's top-K candidates are rescored; the others get no mass
     vocab_size: int = 0  # V of the bigram table (0: no bigram term)
@@ -50,10 +52,12 @@ class HeadConfig:
 class SamplerHead(nn.Module):
     """Scores of SAT j's K candidates c given the token before the draft:
 
-        z[c] + w_j * log P(c | prev) + u . E_out[c],   u = MLP([norm(h_j), norm(E_in[prev])] + bias of j)
+        z[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + u . E_out[c],
+        u = MLP([norm(h_j), norm(E_in[prev])] + bias of j)
 
     P(c | prev) comes from a bigram table counted over text on the machine (`bigram_keys` prev * V + c, sorted,
-    their counts, and each prev's total), read at the K candidates only; w_j is learned per SAT position.
+    their counts, and each prev's total), read at the K candidates only; n(prev, c) from the text itself
+    (`seen_after`); w_j and v_j are learned per SAT position.
     """
 
     def __init__(self, config: HeadConfig):
