@@ -404,6 +404,11 @@ ALLOWED = {
     ("sdsat/bench/humaneval.py", "subprocess"),
     # The benchmark records the git commit of its results (a fixed argv, no shell).
     ("sdsat/bench/runner.py", "subprocess"),
+    # The head's trainer reads the feature chunks, bigram table and checkpoint it wrote itself; CLI only.
+    ("sdsat/train/head.py", "torch.load"),
+    # The threads benchmark runs its own places as `python -m sdsat.bench.threads` and `python app.py` (fixed
+    # argv, no shell); CLI only.
+    ("sdsat/bench/threads.py", "subprocess"),
 }
 
 
