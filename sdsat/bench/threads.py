@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 
+from .. import ASSETS
 from ..hardware import cpu_name
 
 PLACES = ("cli", "server", "http", "threaded")
@@ -57,12 +58,27 @@ def _speeds(run_one, repeats: int) -> dict:
     return {m: statistics.median(v) for m, v in speeds.items()}
 
 
+def _wait_until_serving(url: str, app: subprocess.Popen, log, limit_s: float = 600) -> None:
+    """Until `app` answers at `url`; raises with the end of its log if it exits or takes longer."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + limit_s
+    while True:
+        if app.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            raise RuntimeError(f"app.py did not serve {url}:\n{log.read()[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=5).close()
+            return
+        except OSError:
+            time.sleep(1)
+
+
 def _over_http(inputs: dict, repeats: int) -> dict:
     """/generate, /race and /chat of a real `python app.py`, through gradio_client."""
     import socket
     import tempfile
-    import time
-    import urllib.request
 
     from gradio_client import Client
 
@@ -73,22 +89,12 @@ def _over_http(inputs: dict, repeats: int) -> dict:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}/"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryFile("w+") as log:
-        app = subprocess.Popen([sys.executable, "app.py"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
+        app = subprocess.Popen([sys.executable, "app.py"], cwd=ASSETS.parent, stdout=log, stderr=subprocess.STDOUT,
                                env=os.environ | {"GRADIO_SERVER_PORT": str(port), "SDSAT_QUIET_WAIT_S": "0",
                                                  "SDSAT_MAX_NEW_TOKENS": str(inputs["max_new_tokens"])})
         try:
-            deadline = time.monotonic() + 600
-            while True:
-                if app.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"app.py did not serve {url}:\n{log.read()[-2000:]}")
-                try:
-                    urllib.request.urlopen(url, timeout=5).close()
-                    break
-                except OSError:
-                    time.sleep(1)
+            _wait_until_serving(url, app, log)
             client = Client(url, verbose=False)
             probe = client.predict(**inputs, **FALLBACK, api_name="/generate")  # says auto's plan here
             plan = (probe.get("auto") or {}).get("plan") or {"settings": FALLBACK}
