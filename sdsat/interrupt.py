@@ -18,6 +18,7 @@ keeps its completed runs on Ctrl-C) and `python -m sdsat.train` keep Python's Ke
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -46,7 +47,16 @@ def exit_on_ctrl_c() -> bool:
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return False
     signal.signal(signal.SIGINT, _exit_now)
+    atexit.register(_ignore_once_finished)
     return True
+
+
+def _ignore_once_finished() -> None:
+    """At interpreter exit the command's work is done. Python's finalization puts a handler it installed back
+    to the default, under which a late Ctrl-C would kill the process (exit -2) instead of letting it end; an
+    ignored signal it leaves alone."""
+    if signal.getsignal(signal.SIGINT) is _exit_now:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def raise_on_ctrl_c() -> None:
