@@ -7,6 +7,14 @@ from html.parser import HTMLParser
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# pytest-xdist's workers share the cores: each worker, and every process it starts, gets its share of them.
+# Two pools of OpenMP workers that spin-wait on the same cores slow each other several-fold (a test that
+# takes 43 s alone took 187 s beside another worker's). Set before torch is imported; a test that needs
+# more threads sets OMP_NUM_THREADS for its own subprocess.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

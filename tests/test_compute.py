@@ -119,7 +119,8 @@ print(json.dumps({"sleeps_per_pass": (sleeps() - before) / passes}))
 
 
 def _sleeps_per_pass(place: str) -> float:
-    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    # two threads whatever the test run's share: the throttled wait needs a pool of OpenMP workers
+    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", _PLACE, place], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -33,7 +33,7 @@ GENERATE_ARGS = [PROMPT, default_model.DEFAULT_MODEL, False, "greedy", 3, NEW_TO
 # Only what this machine needs to run Python and pip; nothing of the test run's own environment.
 BASE_ENV = {name: os.environ[name] for name in ("PATH", "HOME", "LANG", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
                                                  "PIP_FIND_LINKS", "PIP_CONFIG_FILE", "OPENBLAS_CORETYPE",
-                                                 "OPENBLAS_L2_SIZE") if name in os.environ}
+                                                 "OPENBLAS_L2_SIZE", "OMP_NUM_THREADS") if name in os.environ}
 
 
 def free_port() -> int:
@@ -102,7 +102,7 @@ def space(space_venv: Path, tmp_path_factory):
     env = BASE_ENV | dict(HF_ENDPOINT=endpoint, HF_HOME=str(work / "hf"), SDSAT_CACHE=str(work / "sdsat"),
                           GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port),
                           GRADIO_ANALYTICS_ENABLED="False",
-                          HF_HUB_DISABLE_TELEMETRY="1", SDSAT_LOAD_RETRY_S="0", OMP_NUM_THREADS="2",
+                          HF_HUB_DISABLE_TELEMETRY="1", SDSAT_LOAD_RETRY_S="0",
                           SDSAT_MODELS=f"{default_model.DEFAULT_MODEL},nobody/missing-model",
                           PYTHONPATH=f"{work / 'site'}{os.pathsep}{ROOT}")  # ROOT: sys.path[0] comes after site
     log = work / "app.log"
@@ -252,7 +252,7 @@ def test_on_zero_gpu_the_pages_events_call_the_decorated_functions(tmp_path: Pat
     (tmp_path / "spaces" / "__init__.py").write_text(FAKE_SPACES)
     calls = tmp_path / "calls.jsonl"
     env = os.environ | dict(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", SPACES_ZERO_GPU="true", HF_HUB_OFFLINE="1",
-                            FAKE_SPACES_LOG=str(calls), OMP_NUM_THREADS="1", GRADIO_ANALYTICS_ENABLED="False")
+                            FAKE_SPACES_LOG=str(calls), GRADIO_ANALYTICS_ENABLED="False")
     proc = subprocess.run([sys.executable, "-c", ZERO_GPU_SCRIPT, json.dumps(GENERATE_ARGS[:10] + [0, 0])], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
