@@ -19,7 +19,7 @@ from sdsat.checkpoints import known_checkpoint
 from sdsat.decoding import MAX_TREE_CANDIDATES
 from sdsat.ui.benchmark import bench_page, short_machine
 from sdsat.ui.chat import Chat
-from sdsat.ui.events import close_direct_routes
+from sdsat.ui.events import calm_queue, close_direct_routes
 from sdsat.ui.examples import CHAT_EXAMPLES, EXAMPLE_LABELS, EXAMPLES
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_INPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
@@ -288,6 +288,7 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
 
 close_direct_routes(demo)
 demo.queue(max_size=limits.queue_size, default_concurrency_limit=limits.concurrency, api_open=False)
+calm_queue(demo)
 # launch() options from the operator's limits (the test servers use them too)
 LAUNCH_OPTIONS = LAUNCH | {"state_session_capacity": limits.max_sessions}
 

@@ -78,14 +78,22 @@ def test_a_forked_child_starts_its_own_compute_thread():
     assert os.read(read, 100).decode() == THREAD_NAME
 
 
-# Run in a fresh process: /generate as the app serves it (app.py's start-up, then the handler), or the same
-# request decoded on a new thread after the main thread loaded the model. Prints sleeps per forward pass.
+# Run in a fresh process: /generate as the app serves it (app.py's start-up and launch, then the handler), or the
+# same request decoded on a new thread after the main thread loaded the model. Prints sleeps per forward pass,
+# and for the app the most wake-ups per second of any one of its threads while it serves nobody.
 _PLACE = r"""
-import json, resource, sys, threading
+import json, os, resource, sys, threading, time
 PLACE = sys.argv[1]
 
 def sleeps():  # voluntary context switches of every thread the process had, ended ones included
     return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+
+def sleeps_per_thread():
+    counts = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as status:
+            counts[tid] = int(status.read().split("voluntary_ctxt_switches:")[1].split()[0])
+    return counts
 
 INPUTS = dict(prompt="def add(a, b):\n", model="", chat=False, mode="greedy", k=3, max_new_tokens=24,
               temperature=1.0, top_p=1.0, top_k=0, seed=0, lookup_tokens=0, tree_candidates=0)
@@ -94,10 +102,17 @@ if PLACE == "app":
     from sdsat.ui.registry import EngineCache
     EngineCache._tune_behind = lambda *args, **kwargs: None  # no measuring of the machine beside the decodes
     app.page.preload()  # what `python app.py` does before it serves
+    app.demo.launch(**(app.LAUNCH_OPTIONS | dict(prevent_thread_lock=True, server_port=int(os.environ["PORT"]))))
     app.page.generate_sync(INPUTS)  # warm
     before = sleeps()
     out = app.page.generate_sync(INPUTS)
     passes = out["vanilla"]["forward_passes"] + out["sdsat"]["forward_passes"]
+    per_pass = (sleeps() - before) / passes
+    idle = sleeps_per_thread()
+    time.sleep(2)
+    idle = {tid: n - idle.get(tid, 0) for tid, n in sleeps_per_thread().items()}
+    print(json.dumps({"sleeps_per_pass": per_pass, "idle_most_per_s": max(idle.values()) / 2}), flush=True)
+    os._exit(0)  # the server's threads need no orderly shutdown here
 else:
     from sdsat.decoding import DecodeConfig, collect
     from sdsat.engine import Engine
@@ -118,21 +133,30 @@ print(json.dumps({"sleeps_per_pass": (sleeps() - before) / passes}))
 """
 
 
-def _sleeps_per_pass(place: str) -> float:
+def _run_place(place: str) -> dict:
+    from test_space import free_port
+
     # two threads whatever the test run's share: the throttled wait needs a pool of OpenMP workers
-    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2",
+                        "PORT": str(free_port()), "GRADIO_ANALYTICS_ENABLED": "False"}
     done = subprocess.run([sys.executable, "-c", _PLACE, place], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["sleeps_per_pass"]
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+
+
+@pytest.fixture(scope="module")
+def served():
+    """What the app's process did: sleeps per pass of a /generate decode, and idle wake-ups once served."""
+    return _run_place("app")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="libgomp and its throttled wait are Linux's")
-def test_the_server_decodes_where_libgomp_workers_spin():
-    threaded = _sleeps_per_pass("threaded")
+def test_the_server_decodes_where_libgomp_workers_spin(served):
+    threaded = _run_place("threaded")["sleeps_per_pass"]
     if threaded < 20:
         pytest.skip(f"this OpenMP runtime does not throttle a second pool ({threaded:.1f} sleeps per pass)")
-    served = _sleeps_per_pass("app")
+    served = served["sleeps_per_pass"]
     assert served < threaded / 5, f"the app's decode sleeps {served:.1f} times a pass (a second pool: {threaded:.1f})"
 
 
@@ -164,3 +188,12 @@ def test_the_process_exits_cleanly_while_the_compute_thread_works(job):
                           timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "main thread done\n" and "terminate called" not in done.stderr
+
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_served_page_does_not_poll_while_idle(served):
+    """Gradio's queue polls for work every millisecond unless app.py slows it (events.calm_queue); each wake-up
+    takes a core from the decoder's OpenMP workers."""
+    most = served["idle_most_per_s"]
+    assert most < 150, f"a thread of the idle server woke {most:.0f} times a second"

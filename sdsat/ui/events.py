@@ -13,6 +13,8 @@ import gradio as gr
 
 UI_GROUP = "ui"  # the concurrency group of the page's own events
 UI_CONCURRENCY = 4  # page events (a few milliseconds of rendering each) running at once, for all visitors
+QUEUE_POLL_S = 0.02  # how often the queue looks for a waiting event: the most an event waits to start
+PROGRESS_POLL_S = 0.1  # how often, while events run, it looks for progress to send (the page sends none)
 
 
 def close_direct_routes(demo: gr.Blocks, ui_concurrency: int = UI_CONCURRENCY) -> None:
@@ -27,3 +29,17 @@ def close_direct_routes(demo: gr.Blocks, ui_concurrency: int = UI_CONCURRENCY) -
         if fn.api_visibility != "public" and fn.concurrency_id == str(id(fn.fn)):  # Gradio's default: a group per event
             fn.concurrency_id = UI_GROUP
             fn.concurrency_limit = ui_concurrency
+
+
+def calm_queue(demo: gr.Blocks, poll_s: float = QUEUE_POLL_S, progress_poll_s: float = PROGRESS_POLL_S) -> None:
+    """Make Gradio's queue poll for work every `poll_s` seconds, not every millisecond. Call after `demo.queue()`.
+
+    On Linux the queue's loop wakes a thousand times a second while idle, and a hundred more while events run.
+    Each wake-up takes a core from the decoder's OpenMP workers, which then wait for it at every parallel
+    region: on a 2-core machine the decodes a visitor sees ran well below the engine's speed (docs/results.md).
+    Gradio has no option for these intervals, so this sets its queue's attributes; tests/test_compute.py counts
+    the wake-ups of a served app, so a Gradio that renames them fails there, not silently.
+    """
+    queue = demo._queue
+    queue.sleep_when_free = max(queue.sleep_when_free, poll_s)
+    queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, progress_poll_s)
