@@ -409,6 +409,8 @@ ALLOWED = {
     # The threads benchmark runs its own places as `python -m sdsat.bench.threads` and `python app.py` (fixed
     # argv, no shell); CLI only.
     ("sdsat/bench/threads.py", "subprocess"),
+    # The tuning-places benchmark runs `python -m sdsat tune` and `python app.py` (fixed argv, no shell); CLI only.
+    ("sdsat/bench/tuning_places.py", "subprocess"),
 }
 
 
