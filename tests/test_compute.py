@@ -190,7 +190,6 @@ def test_the_process_exits_cleanly_while_the_compute_thread_works(job):
     assert done.stdout == "main thread done\n" and "terminate called" not in done.stderr
 
 
-
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_the_served_page_does_not_poll_while_idle(served):
     """Gradio's queue polls for work every millisecond unless app.py slows it (events.calm_queue); each wake-up

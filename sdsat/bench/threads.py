@@ -75,9 +75,17 @@ def _wait_until_serving(url: str, app: subprocess.Popen, log, limit_s: float = 6
             time.sleep(1)
 
 
+def free_port() -> int:
+    """A local TCP port free now, for an `app.py` started by a benchmark."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _over_http(inputs: dict, repeats: int) -> dict:
     """/generate, /race and /chat of a real `python app.py`, through gradio_client."""
-    import socket
     import tempfile
 
     from gradio_client import Client
@@ -85,9 +93,7 @@ def _over_http(inputs: dict, repeats: int) -> dict:
     from ..ui.handlers import RACE_INPUTS
     from ..planner import FALLBACK
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}/"
     with tempfile.TemporaryFile("w+") as log:
         app = subprocess.Popen([sys.executable, "app.py"], cwd=ASSETS.parent, stdout=log, stderr=subprocess.STDOUT,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from .. import ASSETS
 from ..hardware import cpu_name
+from .threads import free_port
 
 PLACES = ("cli", "app")
 
@@ -49,9 +49,7 @@ def _measure_by_cli(cache: Path) -> None:
 
 def _measure_by_app(cache: Path, limit_s: float = 1800) -> None:
     """Start `python app.py` on a free port and stop it once its tuning is kept and its plan logged."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryFile("w+") as log:
         app = subprocess.Popen([sys.executable, "app.py"], cwd=ASSETS.parent, stdout=log, stderr=subprocess.STDOUT,
                                env=os.environ | {"SDSAT_CACHE": str(cache), "GRADIO_SERVER_PORT": str(port)})
