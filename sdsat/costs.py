@@ -12,7 +12,7 @@ of a block with the same token computed alone, which is what greedy identity res
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -45,6 +45,7 @@ class CostCurve:
     # The one-token pass's slowest round over its fastest: far above 1, something else was using the cores
     # while measuring (the curve is then used but not kept).
     spread: float = 1.0
+    fastest_one_s: float = 0.0  # the one-token pass's fastest round (0: not recorded)
 
     @property
     def noisy(self) -> bool:
@@ -81,6 +82,14 @@ class CostCurve:
         slope = (above[1] - below[1]) / (above[0] - below[0])
         return self.pass_s(width) + max(0.0, below[1] + slope * (extra - below[0]))
 
+    def at_one_token_s(self, seconds: float) -> "CostCurve":
+        """This curve with every pass scaled so that the one-token pass costs `seconds`: the curve's shape,
+        measured in interleaved rounds, kept; its level set by a measurement over a longer span."""
+        factor = seconds / self.one_token_s
+        return replace(self, plain={w: s * factor for w, s in self.plain.items()},
+                       draft={k: s * factor for k, s in self.draft.items()},
+                       tree={e: s * factor for e, s in self.tree.items()})
+
     def relative(self) -> dict[int, float]:
         """Plain pass cost by width, relative to a one-token pass."""
         return {w: s / self.one_token_s for w, s in sorted(self.plain.items())}
@@ -93,7 +102,8 @@ class CostCurve:
         return cls(dtype=str(data["dtype"]), plain={int(w): float(s) for w, s in data["plain"].items()},
                    draft={int(k): float(s) for k, s in data["draft"].items()},
                    tree={int(e): float(s) for e, s in data.get("tree", {}).items()},
-                   tree_k=int(data.get("tree_k", 0)), spread=float(data.get("spread", 1)))
+                   tree_k=int(data.get("tree_k", 0)), spread=float(data.get("spread", 1)),
+                   fastest_one_s=float(data.get("fastest_one_s", 0)))
 
 
 @dataclass
@@ -180,7 +190,7 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
     one = times[("plain", 1)][1:]
     of = {kind: {s: t for (kind_, s), t in median.items() if kind_ == kind} for kind in ("plain", "draft", "tree")}
     return CostCurve(dtype=dtype, plain=of["plain"], draft=of["draft"], tree=of["tree"],
-                     tree_k=tree_k if of["tree"] else 0, spread=max(one) / min(one))
+                     tree_k=tree_k if of["tree"] else 0, spread=max(one) / min(one), fastest_one_s=min(one))
 
 
 def _timed_block(kind: str, size: int, tree_k: int, context: int, vocab: int, gen: torch.Generator,

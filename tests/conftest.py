@@ -73,19 +73,35 @@ def tuning_file(tmp_path_factory):
     return tmp_path_factory.mktemp("tuning") / "tuning.json"
 
 
-@pytest.fixture(scope="module")
-def tuned_engine(default_engine, tuning_file):
-    """The default engine as `Engine.tune` leaves it, measured quickly (its loaded precision only, a short cost
-    curve of one round: no figure in a test depends on timings) once per session; afterwards as loaded, for
-    the other tests."""
-    from sdsat import tuning
+def quick_curve(sat_model, **kwargs):
+    """`measure_curve`, short: one round of a few widths behind 32 cached tokens."""
     from sdsat.costs import measure_curve
 
-    def quick(sat_model, **kwargs):
-        return measure_curve(sat_model, **(dict(widths=(1, 2, 4, 8, 16), context=32, repeats=1) | kwargs))
+    return measure_curve(sat_model, **(dict(widths=(1, 2, 4, 8, 16), context=32, repeats=1) | kwargs))
+
+
+def measure_quickly(patch: pytest.MonkeyPatch) -> None:
+    """The tuning's measurements, short: `quick_curve`, the row check on two block widths, and each form's
+    one-token pass timed once. No assertion of a test depends on timings; at full length they take minutes at
+    one thread. (The kernel plan is read from the cache where one is kept; tests that start from an empty cache
+    shorten it too.)"""
+    from sdsat import tuning
+    from sdsat.costs import check_rows
+
+    patch.setattr(tuning, "measure_curve", quick_curve)
+    patch.setattr(tuning, "check_rows", lambda sat_model, **kwargs: check_rows(sat_model, **(dict(widths=(2, 5))
+                                                                                           | kwargs)))
+    patch.setattr(tuning, "REVISIT_ROUNDS", 0)
+
+
+@pytest.fixture(scope="module")
+def tuned_engine(default_engine, tuning_file):
+    """The default engine as `Engine.tune` leaves it, measured quickly (its loaded precision only,
+    `measure_quickly`) once per session; afterwards as loaded, for the other tests."""
+    from sdsat import tuning
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(tuning, "measure_curve", quick)
+    measure_quickly(patch)
     try:
         default_engine.tuning = tuning.tune(default_engine.sat_model, default_engine.name, fixed_dtype=True,
                                             cache_file=tuning_file)
