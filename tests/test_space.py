@@ -85,6 +85,8 @@ def _short(measure, **short):
 
 sdsat.cpu_kernels.tune = _short(sdsat.cpu_kernels.tune, max_rows=4, repeats=1)
 sdsat.tuning.measure_curve = _short(sdsat.tuning.measure_curve, widths=(1, 2, 4, 8, 16), context=32, repeats=1)
+sdsat.tuning.check_rows = _short(sdsat.tuning.check_rows, widths=(2, 5))
+sdsat.tuning.REVISIT_ROUNDS = 0  # each form's one-token pass timed once (tests/test_tuning.py times them again)
 """
 
 
