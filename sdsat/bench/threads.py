@@ -2,6 +2,7 @@
 
     python -m sdsat.bench.threads                      # the page's default race, 3 rounds
     python -m sdsat.bench.threads --prompt "def fib(n):" --max-new-tokens 128 --rounds 5
+    python -m sdsat.bench.threads --chat --prompt "Give me a simple recipe for pancakes."
 
 Each place runs in a fresh process, so that one place's threads never slow the other's (compute.py says why
 they would), and the places take turns, round after round:
@@ -31,10 +32,10 @@ PLACES = ("cli", "server", "http", "threaded")
 DEFAULT_PROMPT = "def count_vowels(word):\n    count = 0\n"  # the page's first example
 
 
-def _request(prompt: str, max_new_tokens: int) -> dict:
+def _request(prompt: str, max_new_tokens: int, chat: bool = False) -> dict:
     from ..models import DEFAULT_MODEL
 
-    return dict(prompt=prompt, model=DEFAULT_MODEL, chat=False, mode="greedy", max_new_tokens=max_new_tokens,
+    return dict(prompt=prompt, model=DEFAULT_MODEL, chat=chat, mode="greedy", max_new_tokens=max_new_tokens,
                 temperature=1.0, top_p=1.0, top_k=0, seed=0)
 
 
@@ -149,7 +150,8 @@ def _place(place: str, inputs: dict, repeats: int) -> dict:
     engine = Engine.load()
     engine.use_stored_tuning()
     vanilla, sdsat = _decode_configs(engine, inputs)
-    jobs = {"vanilla": (engine.encode(inputs["prompt"]), vanilla), "sdsat": (engine.encode(inputs["prompt"]), sdsat),
+    ids = engine.encode(inputs["prompt"], chat=inputs["chat"])
+    jobs = {"vanilla": (ids, vanilla), "sdsat": (ids, sdsat),
             "chat sdsat": (engine.encode(inputs["prompt"], chat=True), sdsat)}
 
     def decode(ids, config) -> float:
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sdsat.bench.threads", description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--chat", action="store_true",
+                        help="/generate, /race and the CLI's decodes put the prompt in the chat template, as a Chat "
+                             "turn does (default off: the text continued as it is)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per place, taking turns (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="decodes per process after a warm-up (default 3)")
     parser.add_argument("--places", nargs="+", choices=PLACES, default=list(PLACES))
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_new_tokens", "rounds", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    inputs = _request(args.prompt, args.max_new_tokens)
+    inputs = _request(args.prompt, args.max_new_tokens, args.chat)
     if args.place:
         print(json.dumps(_place(args.place, inputs, args.repeats)), flush=True)
         return 0
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         for place in args.places:
             child = subprocess.run([sys.executable, "-m", "sdsat.bench.threads", "--place", place,
                                     "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
-                                    "--repeats", str(args.repeats)],
+                                    "--repeats", str(args.repeats), *(["--chat"] if args.chat else [])],
                                    capture_output=True, text=True, env=os.environ | {"PYTHONWARNINGS": "ignore"})
             if child.returncode != 0:
                 sys.stderr.write(child.stderr)
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {round_ + 1}, {place}: " + ", ".join(f"{m} {v:.1f} tokens/s"
                                                               for m, v in runs[place][-1].items()), file=sys.stderr)
     print(f"machine: {cpu_name()}; {args.rounds} rounds of {args.repeats} decodes per place, "
-          f"{args.max_new_tokens} new tokens")
+          f"{args.max_new_tokens} new tokens" + (", in the chat template" if args.chat else ""))
     median = {p: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for p, rs in runs.items()}
     base = median.get("cli")
     columns = list(dict.fromkeys(m for ms in median.values() for m in ms))
