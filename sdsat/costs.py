@@ -35,7 +35,8 @@ NOISY_SPREAD = 1.5
 
 @dataclass
 class CostCurve:
-    """Median seconds per pass of this model, in one precision and kernel routing."""
+    """Seconds per pass of this model, in one precision and kernel routing: medians of interleaved rounds; after a
+    tuning, scaled so that the one-token pass is the fastest of all its timings (`tuning._time_again`)."""
 
     dtype: str
     plain: dict[int, float] = field(default_factory=dict)  # block width -> seconds
@@ -45,7 +46,7 @@ class CostCurve:
     # The one-token pass's slowest round over its fastest: far above 1, something else was using the cores
     # while measuring (the curve is then used but not kept).
     spread: float = 1.0
-    fastest_one_s: float = 0.0  # the one-token pass's fastest round (0: not recorded)
+    fastest_one_s: float = 0.0  # the one-token pass's fastest round in this curve's own timing (0: not recorded)
 
     @property
     def noisy(self) -> bool:
@@ -81,6 +82,11 @@ class CostCurve:
             above, below = below, points[-2]
         slope = (above[1] - below[1]) / (above[0] - below[0])
         return self.pass_s(width) + max(0.0, below[1] + slope * (extra - below[0]))
+
+    @property
+    def fastest_one_token_s(self) -> float:
+        """The one-token pass's fastest round, or its median where the fastest was not recorded."""
+        return self.fastest_one_s or self.one_token_s
 
     def at_one_token_s(self, seconds: float) -> "CostCurve":
         """This curve with every pass scaled so that the one-token pass costs `seconds`: the curve's shape,

@@ -53,8 +53,8 @@ EXACT_FORMS = (KEYED, INVARIANT, PER_ROW)  # tried in this order (KEYED in bfloa
 # first whose rows check bit-equal is SDSAT's
 _FORMAT = 8
 MEASURE_ROUNDS = 2  # a noisy curve: the precisions measured now are measured once more (see `tune`)
-# After the curves, every form's one-token pass is timed again in this many rounds, spread over the tuning (see
-# `_time_again`), each of REVISIT_PASSES passes.
+# After the curves, every form's one-token pass is timed again in this many rounds (see `_time_again`), each of
+# REVISIT_PASSES passes.
 REVISIT_ROUNDS = 2
 REVISIT_PASSES = 8
 TUNING_FILE = "tuning.json"  # the measurements, in the engine's cache folder (default_model.cache_dir)
@@ -255,7 +255,8 @@ class TuneProgress:
     """Where a tuning stands: the page and the console show it while it runs."""
 
     done: int = 0  # measurement steps finished
-    total: int = 0  # steps expected (it grows where a form fails its row check or a noisy curve goes again)
+    total: int = 0  # steps expected (it grows where a form fails its row check or a noisy curve goes again, and
+    # shrinks where a kept measurement stays better than a new one: not timed again)
     label: str = ""  # what is measured now, e.g. "bfloat16 row-invariant: cost curve and row check"
     started: float = field(default_factory=time.monotonic)
 
@@ -330,31 +331,39 @@ def _measure(sat_model, precision: str, kernels: bool, steps: _Steps) -> _Measur
                     what = "kernel plan and one-token pass" if other == ROUTED else "one-token pass"
                     with steps.step(f"{precision} {other}: {what}"), trying(sat_model, precision, kernels, other), \
                             torch.inference_mode():
-                        others[other] = measure_curve(sat_model, widths=(1,), drafts=0, trees=False)
+                        others[other] = _one_token_pass(sat_model)
                 noisy = curve.noisy or any(c.noisy for c in others.values())
-                return _Measured(form, curve, rows, {f: c.fastest_one_s for f, c in others.items()}, noisy)
+                return _Measured(form, curve, rows, {f: c.fastest_one_token_s for f, c in others.items()}, noisy)
+            steps.state.total += 1  # the next form's curve and row check, before the others' one-token passes
+        steps.state.total -= len(exact_forms(precision))  # none checked out: the routed form's one step instead
     with steps.step(f"{precision} {ROUTED}: kernel plan, cost curve and row check"), \
             trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
         curve = measure_curve(sat_model)
         return _Measured(ROUTED, curve, check_rows(sat_model), {}, curve.noisy)
 
 
+def _one_token_pass(sat_model, repeats: int = 5) -> CostCurve:
+    """A curve of the one-token pass alone, behind the usual cache."""
+    return measure_curve(sat_model, widths=(1,), drafts=0, trees=False, repeats=repeats)
+
+
 def _time_again(sat_model, measured: dict[str, "_Measured"], kernels: bool, steps: _Steps) -> None:
-    """Time every form's one-token pass again in REVISIT_ROUNDS rounds, precisions and forms in turns, and keep
-    each form's fastest pass of all its rounds: its curve's rounds took seconds, and a shared machine can be slow
-    for that long (a neighbour's load), while two forms compared, or two tunings of one machine, must not differ
-    by when each was timed. SDSAT's form keeps its curve's shape, at that fastest one-token pass."""
-    fastest = {(p, m.form): m.curve.fastest_one_s or m.curve.one_token_s for p, m in measured.items()}
+    """Time every form's one-token pass again in REVISIT_ROUNDS rounds after the curves, precisions and forms in
+    turns (each round in the other order), and keep each form's fastest pass of all its timings: a curve's rounds
+    take a few seconds, and a shared machine can be slow for that long (a neighbour's load), while two forms
+    compared, or two tunings of one machine, must not differ by when each was timed. Each form is then timed at
+    three moments of the tuning, not one; SDSAT's form keeps its curve's shape, at that fastest one-token pass."""
+    fastest = {(p, m.form): m.curve.fastest_one_token_s for p, m in measured.items()}
     fastest |= {(p, form): s for p, m in measured.items() for form, s in m.others_s.items()}
     order = list(measured)
     for round_ in range(REVISIT_ROUNDS):
-        for precision in order[::-1] if round_ % 2 == 0 else order:  # the last measured first: spread in time
+        for precision in order[::-1] if round_ % 2 == 0 else order:
             forms = [form for p, form in fastest if p == precision]
             with steps.step(f"{precision}: every form's one-token pass again ({round_ + 1} of {REVISIT_ROUNDS})"):
                 for form in forms[round_ % len(forms):] + forms[:round_ % len(forms)]:
                     with trying(sat_model, precision, kernels, form), torch.inference_mode():
-                        again = measure_curve(sat_model, widths=(1,), drafts=0, trees=False, repeats=REVISIT_PASSES)
-                    fastest[(precision, form)] = min(fastest[(precision, form)], again.fastest_one_s)
+                        again = _one_token_pass(sat_model, REVISIT_PASSES)
+                    fastest[(precision, form)] = min(fastest[(precision, form)], again.fastest_one_token_s)
     for precision, m in measured.items():
         m.curve = m.curve.at_one_token_s(fastest[(precision, m.form)])
         m.others_s = {form: fastest[(precision, form)] for form in m.others_s}
@@ -372,7 +381,7 @@ class _Measured:
 
     def rank(self) -> tuple[bool, float]:
         """Of two runs of one precision the better: a clean one before a noisy one, then the faster."""
-        return self.noisy, self.curve.fastest_one_s or self.curve.one_token_s
+        return self.noisy, self.curve.fastest_one_token_s
 
     def to_dict(self) -> dict:
         return {"form": self.form, "curve": self.curve.to_dict(), "others_s": self.others_s, "noisy": self.noisy,
@@ -413,8 +422,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     host) can slow one precision's passes and not another's, and tip the choice. When a curve comes out
     noisy, every precision measured now is measured once more, in reverse order, and each keeps its better
     run (a clean one before a noisy one, then the faster). Slow spells that leave no spread within a step are
-    met by `_time_again`: every form's one-token pass is timed in rounds spread over the tuning, and each
-    keeps its fastest."""
+    met by `_time_again`: every form's one-token pass is timed again in later rounds, and each keeps its
+    fastest."""
     if remeasure not in REMEASURE:
         raise ValueError(f"remeasure must be one of {', '.join(REMEASURE)}; got {remeasure!r}")
     model = sat_model.model
