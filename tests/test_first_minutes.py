@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import measure_quickly
+from conftest import measure_quickly, quick_curve
 
 from sdsat import cpu_kernels, tuning
-from sdsat.costs import measure_curve
 from sdsat.models import DEFAULT_MODEL, default_model_folder
 from sdsat.planner import FALLBACK
 from test_page import CHROMIUM, CHROMIUM_ARGS
@@ -63,8 +62,7 @@ def _stored(cache: Path) -> list[dict]:
 def _quick_curve(spread: float):
     """A short cost curve (no figure here depends on timings) whose rounds seem `spread`-fold apart."""
     def measure(sat_model, **kwargs):
-        curve = measure_curve(sat_model, **(dict(widths=(1, 2, 4, 8), drafts=2, context=32, repeats=1, trees=False)
-                                            | kwargs))
+        curve = quick_curve(sat_model, **(dict(widths=(1, 2, 4, 8), drafts=2, trees=False) | kwargs))
         curve.spread = spread
         return curve
     return measure
@@ -259,12 +257,13 @@ def test_every_example_shows_its_label_in_every_precision_and_form(default_engin
             for form, kernels in forms:
                 tuning.set_precision(default_engine.sat_model, precision, kernels, form)
                 for n, ((prompt, chat), label) in enumerate(zip(EXAMPLES, EXAMPLE_LABELS)):
+                    ids = default_engine.encode(prompt, chat)
                     seen = first.get(n) if form in tuning.EXACT_FORMS else None
-                    if seen is None or not _greedy_gives(default_engine, default_engine.encode(prompt, chat), seen[2]):
+                    if seen is None or not _greedy_gives(default_engine, ids, seen[2]):
                         seen = _greedy_shows(default_engine, prompt, chat, label, max_new_tokens=64)
                         decoded += 1
                         if form in tuning.EXACT_FORMS and n not in first:  # the check holds on its own decode
-                            assert _greedy_gives(default_engine, default_engine.encode(prompt, chat), seen[2]), label
+                            assert _greedy_gives(default_engine, ids, seen[2]), label
                             first[n] = seen
                     if not seen[0]:
                         failed.append(f"{label} in {precision} {form if kernels else 'plain'}: {seen[1][:80]!r}")

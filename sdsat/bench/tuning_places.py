@@ -70,11 +70,14 @@ def _measure_by_app(cache: Path, limit_s: float = 1800) -> None:
 
 def one_token_costs(cache: Path) -> dict[str, float]:
     """'precision form' -> seconds per one-token pass, from a cache's tuning file."""
+    from ..tuning import _Measured
+
     costs = {}
     for entry in json.loads(_tuning_file(cache).read_text()).values():
-        dtype = entry["curve"]["dtype"]
-        costs[f"{dtype} {entry['form']}"] = entry["curve"]["plain"]["1"]
-        costs |= {f"{dtype} {form}": seconds for form, seconds in entry["others_s"].items()}
+        measured = _Measured.from_dict(entry)
+        dtype = measured.curve.dtype
+        costs[f"{dtype} {measured.form}"] = measured.curve.one_token_s
+        costs |= {f"{dtype} {form}": seconds for form, seconds in measured.others_s.items()}
     return costs
 
 
