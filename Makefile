@@ -28,9 +28,10 @@ browser:
 demo: install
 	$(BIN)/python app.py
 
+# --no-loadscope-reorder: the long test modules start first (tests/conftest.py), not the ones with most tests.
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV)

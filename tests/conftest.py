@@ -38,9 +38,11 @@ def make_tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2
 
 
 # The modules that take longest, longest first: `make test` runs the modules on two workers (pytest-xdist,
-# --dist loadfile), and starting the long ones first keeps one worker from running a long module alone at the end.
-LONG_MODULES = ("test_space.py", "test_first_minutes.py", "test_public_api.py", "test_bench.py", "test_cli.py",
-                "test_page.py", "test_ctrl_c.py", "test_sampling.py", "test_default_model.py", "test_robustness.py")
+# --dist loadfile, in this order with --no-loadscope-reorder), and starting the long ones first keeps one worker
+# from running a long module alone at the end.
+LONG_MODULES = ("test_bench.py", "test_space.py", "test_first_minutes.py", "test_sampling.py", "test_page.py",
+                "test_public_api.py", "test_cli.py", "test_head.py", "test_robustness.py", "test_tuning.py",
+                "test_compute.py", "test_ctrl_c.py", "test_drafts.py", "test_default_model.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -387,6 +387,25 @@ def test_closing_a_race_never_waits_for_the_decoder(default_engine):
     assert list(snaps)[-1].phase == "done"
 
 
+def test_the_pages_thread_takes_a_decodes_steps_in_batches_not_at_every_pass(default_engine, monkeypatch):
+    # Each wake-up of the page's thread takes the GIL and a core from the decoder's threads in mid-pass, so it
+    # wakes once per `every` seconds (or at the decode's end) and takes what has come since, in order.
+    from sdsat.ui import race as race_module
+
+    takes = []
+    take = race_module._Inbox.take
+    monkeypatch.setattr(race_module._Inbox, "take", lambda self: takes.append(take(self)) or takes[-1])
+    request = check_request(Limits(), 8, (GOOD | dict(max_new_tokens=12)))
+    ids = default_engine.encode(request.prompt)
+    snaps = list(race(default_engine, ids, request, time_limit_s=600, every=600))
+    assert [s.phase for s in snaps] == ["done"]  # nothing yielded before a decoder ended
+    assert len(takes) == 2  # one take per decoder, of all its events
+    for method, events in zip(("vanilla", "sdsat"), takes):
+        result = snaps[-1].results[method]
+        assert [e for e in events if isinstance(e, StepRecord)] == result.steps == snaps[-1].steps[method]
+        assert events[-1] is result and len(result.steps) > 1
+
+
 def test_a_cancelled_race_never_starts_its_sdsat_phase(default_engine):
     request = check_request(Limits(), 8, (GOOD | dict(max_new_tokens=24)))
     ids = default_engine.encode(request.prompt)

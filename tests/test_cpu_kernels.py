@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -46,9 +47,9 @@ def test_routed_model_gives_the_same_logits_and_gradients_fall_back(tiny_llama):
         expected = tiny_llama(input_ids=ids).logits
     plan = _plan_of(tiny_llama, "weight_left")
     assert cpu_kernels.install(tiny_llama, plan) == sum(isinstance(m, nn.Linear) for m in tiny_llama.modules())
-    calls = []
+    calls, me = [], threading.get_ident()  # this thread's products only: an earlier module's server may still tune
     original = cpu_kernels._product
-    cpu_kernels._product = lambda *a: calls.append(a[0]) or original(*a)
+    cpu_kernels._product = lambda *a: (threading.get_ident() == me and calls.append(a[0])) or original(*a)
     try:
         with torch.inference_mode():
             routed = tiny_llama(input_ids=ids).logits
@@ -87,9 +88,10 @@ def test_tune_times_each_shape_and_keeps_the_plan_on_disk(tmp_path, monkeypatch)
 def test_wide_blocks_are_timed_at_a_few_row_counts_and_take_the_next_ones_choice(monkeypatch):
     model = make_tiny_llama()
     monkeypatch.setattr(cpu_kernels, "_PLANS", {})
-    timed = set()
+    timed, me = set(), threading.get_ident()  # this thread's products only, as above
     original = cpu_kernels._product
-    monkeypatch.setattr(cpu_kernels, "_product", lambda v, x, *a: timed.add(x.shape[0]) or original(v, x, *a))
+    monkeypatch.setattr(cpu_kernels, "_product", lambda v, x, *a: (
+        threading.get_ident() == me and timed.add(x.shape[0])) or original(v, x, *a))
     plan = cpu_kernels.tune(model, max_rows=26, repeats=1)
     assert timed == set(range(1, 17)) | {20, 24, 26}
     for choices in plan.choices.values():

@@ -1,34 +1,39 @@
 """The same request decoded where the CLI decodes it and where the server does, as tokens/s and their ratio.
 
-    python -m sdsat.bench.threads                      # the page's default race, 3 rounds
-    python -m sdsat.bench.threads --prompt "def fib(n):" --max-new-tokens 128 --rounds 5
+    python -m sdsat.bench.threads                      # the page's default race, 6 rounds
+    python -m sdsat.bench.threads --prompt "def fib(n):" --max-new-tokens 128 --rounds 8
     python -m sdsat.bench.threads --chat --prompt "Give me a simple recipe for pancakes."
 
-Each place runs in a fresh process, so that one place's threads never slow the other's (compute.py says why
-they would), and the places take turns, round after round:
+Each place is one process of its own, started once and kept, so that one place's threads never slow the
+other's (compute.py says why they would); the places then take turns decode by decode, round after round, and
+each round's tokens/s are divided by the CLI's of the same round. A slow spell of the machine that lasts
+minutes so falls on both sides of a ratio alike.
   cli       the main thread loads and decodes (what `python -m sdsat generate` does);
   server    the page's /generate path in process: the engine cache loads on the compute thread, a race decodes there;
   http      `python app.py` on a free local port, called through gradio_client: /generate, /race and /chat;
   threaded  the main thread loads, a new thread per request decodes: the server before the compute thread.
-A place prints one JSON line: vanilla's and SDSAT's tokens/s over its decodes (/generate's; `chat sdsat` is
-a chat turn of the same prompt, SDSAT alone; `http` adds /race's two). The table gives each place's medians and
-their ratio to the CLI's; `server` and `http` should be about 1.0, and `threaded` shows the cost avoided.
+A round gives vanilla's and SDSAT's tokens/s per place (/generate's; `chat sdsat` is a chat turn of the same
+prompt, SDSAT alone; `http` adds /race's two). The table gives each place's medians and the median of its
+per-round ratios to the CLI; `server` and `http` should be about 1.0, and `threaded` shows the cost avoided.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 
 from .. import ASSETS
 from ..hardware import cpu_name
 
 PLACES = ("cli", "server", "http", "threaded")
+READY = "ready"  # a child place says it has loaded and warmed up
 DEFAULT_PROMPT = "def count_vowels(word):\n    count = 0\n"  # the page's first example
 
 
@@ -48,15 +53,6 @@ def _decode_configs(engine, inputs: dict):
     request = parse_request(limits, inputs | auto_settings(engine.tuning, True, engine.max_k))
     request.validate(limits, engine.max_k)
     return request.decode_config("vanilla"), request.decode_config("sdsat")
-
-
-def _speeds(run_one, repeats: int) -> dict:
-    speeds: dict[str, list[float]] = {}
-    run_one()  # warm-up
-    for _ in range(repeats):
-        for method, tokens_per_second in run_one().items():
-            speeds.setdefault(method, []).append(tokens_per_second)
-    return {m: statistics.median(v) for m, v in speeds.items()}
 
 
 def _wait_until_serving(url: str, app: subprocess.Popen, log, limit_s: float = 600) -> None:
@@ -85,8 +81,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _over_http(inputs: dict, repeats: int) -> dict:
-    """/generate, /race and /chat of a real `python app.py`, through gradio_client."""
+@contextlib.contextmanager
+def _over_http(inputs: dict) -> Iterator[Callable[[], dict]]:
+    """One round's decodes by /generate, /race and /chat of a real `python app.py`, through gradio_client."""
     import tempfile
 
     from gradio_client import Client
@@ -117,18 +114,17 @@ def _over_http(inputs: dict, repeats: int) -> dict:
                         "chat sdsat": chat["sdsat"]["tokens_per_second"],
                         "race vanilla": race_out["vanilla"]["tokens_per_second"],
                         "race sdsat": race_out["sdsat"]["tokens_per_second"]}
-            return _speeds(run_one, repeats)
+            run_one()  # warm-up
+            yield run_one
         finally:
             app.terminate()
             app.wait(timeout=60)
 
 
-def _place(place: str, inputs: dict, repeats: int) -> dict:
-    """One place's median tokens/s per decoder (run in its own process)."""
+def _place(place: str, inputs: dict) -> Callable[[], dict]:
+    """One round's decodes of an in-process place: its tokens/s per decoder."""
     from ..decoding import collect
 
-    if place == "http":
-        return _over_http(inputs, repeats)
     if place == "server":
         from ..ui.handlers import Page
         from ..ui.settings import Limits
@@ -140,10 +136,10 @@ def _place(place: str, inputs: dict, repeats: int) -> dict:
             raise SystemExit("this machine has no kept tuning: run `python -m sdsat tune` first")
         settings = page.auto_values(inputs["model"], inputs["mode"])
 
-        def run_one() -> dict:
+        def run_page() -> dict:
             out = page.generate_sync(inputs | settings)
             return {m: out[m]["tokens_per_second"] for m in ("vanilla", "sdsat")}
-        return _speeds(run_one, repeats)
+        return run_page
 
     from ..engine import Engine
 
@@ -170,7 +166,45 @@ def _place(place: str, inputs: dict, repeats: int) -> dict:
     def run_one() -> dict:
         speeds = {name: run(*job) for name, job in jobs.items()}
         return speeds | ({"chat sdsat": speeds["sdsat"]} if inputs["chat"] else {})
-    return _speeds(run_one, repeats)
+    return run_one
+
+
+def _serve_place(place: str, inputs: dict) -> None:
+    """A child process's loop: one round's decodes, as a JSON line, for every line its parent writes."""
+    run_one = _place(place, inputs)
+    run_one()  # warm-up
+    print(READY, flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(run_one()), flush=True)
+
+
+@contextlib.contextmanager
+def _child(place: str, args: argparse.Namespace) -> Iterator[Callable[[], dict]]:
+    """A place in a process of its own, kept for the whole run; calling it runs one round there."""
+    child = subprocess.Popen([sys.executable, "-m", "sdsat.bench.threads", "--place", place,
+                              "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
+                              *(["--chat"] if args.chat else [])],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=os.environ | {"PYTHONWARNINGS": "ignore"})
+
+    def answer() -> str:
+        line = child.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {place} place exited with code {child.wait()}")
+        return line.strip()
+
+    try:
+        while answer() != READY:
+            pass
+
+        def run_one() -> dict:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            return json.loads(answer())
+        yield run_one
+    finally:
+        child.kill()
+        child.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,50 +214,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true",
                         help="/generate, /race and the CLI's decodes put the prompt in the chat template, as a Chat "
                              "turn does (default off: the text continued as it is)")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per place, taking turns (default 3)")
-    parser.add_argument("--repeats", type=int, default=3, help="decodes per process after a warm-up (default 3)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of decodes, the places in turns (default 6)")
     parser.add_argument("--places", nargs="+", choices=PLACES, default=list(PLACES))
     parser.add_argument("--place", choices=PLACES, help=argparse.SUPPRESS)  # a child process's own place
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "rounds", "repeats"):
+    for name in ("max_new_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     inputs = _request(args.prompt, args.max_new_tokens, args.chat)
     if args.place:
-        print(json.dumps(_place(args.place, inputs, args.repeats)), flush=True)
+        _serve_place(args.place, inputs)
         return 0
 
     runs: dict[str, list[dict]] = {p: [] for p in args.places}
-    for round_ in range(args.rounds):
-        for place in args.places:
-            child = subprocess.run([sys.executable, "-m", "sdsat.bench.threads", "--place", place,
-                                    "--prompt", args.prompt, "--max-new-tokens", str(args.max_new_tokens),
-                                    "--repeats", str(args.repeats), *(["--chat"] if args.chat else [])],
-                                   capture_output=True, text=True, env=os.environ | {"PYTHONWARNINGS": "ignore"})
-            if child.returncode != 0:
-                sys.stderr.write(child.stderr)
-                return child.returncode
-            runs[place].append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(f"round {round_ + 1}, {place}: " + ", ".join(f"{m} {v:.1f} tokens/s"
-                                                              for m, v in runs[place][-1].items()), file=sys.stderr)
-    print(f"machine: {cpu_name()}; {args.rounds} rounds of {args.repeats} decodes per place, "
-          f"{args.max_new_tokens} new tokens" + (", in the chat template" if args.chat else ""))
+    with contextlib.ExitStack() as stack:
+        places = {p: stack.enter_context(_over_http(inputs) if p == "http" else _child(p, args)) for p in args.places}
+        for round_ in range(args.rounds):
+            for place, run_one in places.items():
+                runs[place].append(run_one())
+                print(f"round {round_ + 1}, {place}: " + ", ".join(f"{m} {v:.1f} tokens/s"
+                                                                  for m, v in runs[place][-1].items()), file=sys.stderr)
+    print(f"machine: {cpu_name()}; {args.rounds} rounds, the places in turns, {args.max_new_tokens} new tokens"
+          + (", in the chat template" if args.chat else ""))
+    print(_table(runs))
+    return 0
+
+
+def _table(runs: dict[str, list[dict]]) -> str:
+    """Median tokens/s per place and decoder, and the median of its per-round ratios to the CLI's same decode."""
     median = {p: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for p, rs in runs.items()}
-    base = median.get("cli")
     columns = list(dict.fromkeys(m for ms in median.values() for m in ms))
-    print("tokens/s (and × the CLI's same decode)")
-    print(f"{'place':<10}" + "".join(f"{c:>22}" for c in columns))
+    lines = ["tokens/s (and the median of the per-round ratios to the CLI's same decode)",
+             f"{'place':<10}" + "".join(f"{c:>22}" for c in columns)]
     for place, ms in median.items():
         cells = []
         for column in columns:
             value = ms.get(column)
-            same = base and base.get(column.removeprefix("race "))
-            cells.append("-" if value is None else f"{value:.1f}" + (f" ({value / same:.2f}×)" if same else ""))
-        print(f"{place:<10}" + "".join(f"{c:>22}" for c in cells))
-    for place, ms in median.items():
-        print(f"{place}: sdsat ÷ vanilla {ms['sdsat'] / ms['vanilla']:.2f}"
-              + (f", race {ms['race sdsat'] / ms['race vanilla']:.2f}" if "race sdsat" in ms else ""))
-    return 0
+            same = column.removeprefix("race ")
+            ratio = (statistics.median(r[column] / c[same] for r, c in zip(runs[place], runs["cli"]))
+                     if "cli" in runs and same in runs["cli"][0] and value is not None else None)
+            cells.append("-" if value is None else f"{value:.1f}" + (f" ({ratio:.2f}×)" if ratio else ""))
+        lines.append(f"{place:<10}" + "".join(f"{c:>22}" for c in cells))
+    for place, rs in runs.items():
+        lines.append(f"{place}: sdsat ÷ vanilla {statistics.median(r['sdsat'] / r['vanilla'] for r in rs):.2f}"
+                     + (f", race {statistics.median(r['race sdsat'] / r['race vanilla'] for r in rs):.2f}"
+                        if "race sdsat" in rs[0] else ""))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ cancels the decoder between two iterations.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,6 @@ from .render import PieceDecoder, pieces_of
 from .settings import RunRequest
 
 PHASES = ("vanilla", "sdsat")
-_DONE = object()
 
 
 @dataclass
@@ -109,31 +107,26 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
         if cancel.is_set():  # Stop, or an API call given up: nobody is waiting for the next decoder
             return
         snap.phase = method
-        events: queue.Queue = queue.Queue()
+        inbox = _Inbox()
         decoder = PieceDecoder(engine.tokenizer, prompt_ids)
         compute_thread().submit(_drain, engine, prompt_ids, request.decode_config(method), cancel, time_limit_s / 2,
-                                events, urgent=True)
+                                inbox, urgent=True)
         try:
-            last_yield = 0.0
             while True:
-                try:
-                    event = events.get(timeout=every)
-                except queue.Empty:
-                    event = None
-                if event is _DONE:
+                ended = inbox.ended.wait(every)
+                for event in inbox.take():
+                    if isinstance(event, BaseException):
+                        raise event
+                    if isinstance(event, StepRecord):
+                        snap.steps[method].append(event)
+                        snap.pieces[method].extend(decoder.add(t) for t in event.tokens)
+                    elif isinstance(event, GenerationResult):
+                        if snap.pieces[method]:
+                            snap.pieces[method][-1] += decoder.flush()
+                        snap.results[method] = event
+                if ended:
                     break
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, StepRecord):
-                    snap.steps[method].append(event)
-                    snap.pieces[method].extend(decoder.add(t) for t in event.tokens)
-                elif isinstance(event, GenerationResult):
-                    if snap.pieces[method]:
-                        snap.pieces[method][-1] += decoder.flush()
-                    snap.results[method] = event
-                if time.monotonic() - last_yield >= every:
-                    last_yield = time.monotonic()
-                    yield snap
+                yield snap
         finally:
             # Stop, disconnect or an error: the decoder stops at its next iteration boundary. Gradio closes
             # this generator on its event loop, so it is not waited for here (that would stall every visitor
@@ -149,7 +142,28 @@ def race(engine: Engine, prompt_ids: list[int], request: RunRequest, time_limit_
     yield snap
 
 
-def _drain(engine: Engine, prompt_ids, config, cancel: threading.Event, limit_s: float, events: queue.Queue) -> None:
+class _Inbox:
+    """A decode's events, handed from the compute thread to the page's thread in batches: the page's thread
+    wakes every `every` seconds or when the decode ends, not at every forward pass (each wake-up would take
+    the GIL and a core from the decoder's threads in the middle of a pass)."""
+
+    def __init__(self) -> None:
+        self._events: list = []
+        self._lock = threading.Lock()
+        self.ended = threading.Event()  # set after the decode's last event
+
+    def put(self, event) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def take(self) -> list:
+        """The events put since the last take, in order."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+
+def _drain(engine: Engine, prompt_ids, config, cancel: threading.Event, limit_s: float, inbox: _Inbox) -> None:
     """Decode on the compute thread, handing each event over; the time limit counts from the decode's start, not
     from the time it waited in the queue."""
     deadline, compute = time.monotonic() + limit_s, compute_thread()
@@ -158,11 +172,11 @@ def _drain(engine: Engine, prompt_ids, config, cancel: threading.Event, limit_s:
             return
         stop = lambda: cancel.is_set() or compute.stopping or time.monotonic() > deadline  # noqa: E731
         for event in engine.stream(prompt_ids, config, stop):
-            events.put(event)
+            inbox.put(event)
     except Exception as err:  # handed to the page's thread, which raises it
-        events.put(err)
+        inbox.put(err)
     finally:
-        events.put(_DONE)
+        inbox.ended.set()
 
 
 def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap: RaceSnapshot,
