@@ -632,3 +632,15 @@ def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(t
     machine = meta["machine"]
     assert "cpu_flags" in machine and f"{machine['cpu']} (flags: " in table.splitlines()[0]
     assert "speed-up vs fastest vanilla" in table and "- Fastest vanilla: " in table and "(the tuning's plan)" in table
+
+
+def test_the_threads_table_divides_each_round_by_the_clis_same_round():
+    """A slow spell that falls on one round moves both sides of that round's ratio: the table gives the median
+    of per-round ratios (here 1.0 for vanilla), not the ratio of the places' medians (here 0.5)."""
+    from sdsat.bench.threads import _table
+
+    cli = [{"vanilla": v, "sdsat": 20.0} for v in (10.0, 30.0, 20.0)]
+    http = [{"vanilla": v, "sdsat": 10.0, "race vanilla": v / 2, "race sdsat": 10.0} for v in (10.0, 30.0, 10.0)]
+    lines = _table({"cli": cli, "http": http}).splitlines()
+    row = next(line for line in lines if line.startswith("http"))
+    assert row.split()[1:] == ["10.0", "(1.00×)", "10.0", "(0.50×)", "5.0", "(0.50×)", "10.0", "(0.50×)"]
