@@ -238,8 +238,19 @@ def _on_one_thread(attend):
     return on_one_thread
 
 
+def _has_room(x: torch.Tensor, width: int) -> bool:
+    """Whether (1, Hkv, S, D) `x` is the first S rows of a buffer of at least `width` rows per head."""
+    d, heads = x.shape[3], x.shape[1]
+    end = x.storage_offset() + (heads - 1) * x.stride(1) + width * d  # one past head Hkv - 1's row `width`
+    return (x.stride(3) == 1 and x.stride(2) == d and x.stride(1) >= width * d
+            and end <= x.untyped_storage().nbytes() // x.element_size())
+
+
 def _padded_float(x: torch.Tensor, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(1, Hkv, S, D) as `dtype` (Hkv, width, D), zeros past S: finite, and masked for every row."""
+    """(1, Hkv, S, D) as `dtype` (Hkv, width, D), finite past S (masked for every row): a view of the cache's own
+    room past S where it has it (kvcache.InPlaceLayer), else a padded copy with zeros."""
+    if x.dtype == dtype and _has_room(x, width):
+        return x[0].as_strided((x.shape[1], width, x.shape[3]), (x.stride(1), x.shape[3], 1))
     out = x.new_empty((x.shape[1], width, x.shape[3]), dtype=dtype)
     out[:, :x.shape[2]] = x[0]
     out[:, x.shape[2]:] = 0

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from . import timing
 from .compute import compute_thread
-from .kvcache import behind_cache, rollback
+from .kvcache import behind_cache, new_cache, rollback
 from .records import StepRecord
 from .sat import SatModel
 from .tree import MAX_EXTRA, DraftTree
@@ -157,7 +157,7 @@ def priced_seconds(steps: Sequence[StepRecord], curve: CostCurve, k: int) -> flo
 def _prefill(sat_model: SatModel, context: int, generator: torch.Generator) -> tuple[DynamicCache, int]:
     model = sat_model.model
     vocab = model.get_input_embeddings().weight.shape[0]
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     ids = torch.randint(0, vocab, (1, context), generator=generator).to(sat_model.device)
     with torch.inference_mode():
         sat_model.forward(ids, cache=cache, logits_to_keep=1)

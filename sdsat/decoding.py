@@ -2,7 +2,7 @@
 
 Every decoder is a generator that yields one `StepRecord` per iteration and then one
 `GenerationResult`, so the app can stream and the benchmark can drain them alike. The KV cache is a
-transformers `DynamicCache` owned by the decoder; only `kvcache.py` shrinks it or moves its rows.
+transformers `DynamicCache` owned by the decoder (`kvcache.new_cache`); only `kvcache.py` shrinks it or moves its rows.
 
 SDSAT iteration (paper, section 3.3), with `pending` the tokens not yet in the cache:
   1. propose: a drafter (drafters.py) gives candidates. The paper's: feed [pending, SAT x k]; the
@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
-from transformers import DynamicCache
 
 from .config import MAX_LOOKUP_TOKENS, METHODS, SCHEMES, DecodeConfig
 from .drafters import DraftContext, Proposal, drafter_for
+from .kvcache import new_cache
 from .prompts import StopChecker
 from .records import Event, GenerationResult, StepRecord, collect
 from .sampling import TokenChooser
@@ -60,7 +60,7 @@ def decode(sat_model: SatModel | torch.nn.Module, tokenizer, prompt_ids: list[in
 def _vanilla(sat_model, model, prompt_ids, config, stop: StopChecker, should_stop, tokenizer) -> Iterator[Event]:
     device = next(model.parameters()).device
     chooser = TokenChooser(config.sampling, device)
-    cache, clock, steps = DynamicCache(config=model.config), Clock(device), []
+    cache, clock, steps = new_cache(model.config), Clock(device), []
     pending = prompt_ids
     with torch.inference_mode():
         while True:
@@ -85,7 +85,7 @@ def _vanilla(sat_model, model, prompt_ids, config, stop: StopChecker, should_sto
 def _sdsat(sat_model: SatModel, model, prompt_ids, config, stop: StopChecker, should_stop,
            tokenizer) -> Iterator[Event]:
     chooser = TokenChooser(config.sampling, sat_model.device)
-    cache, clock, steps = DynamicCache(config=model.config), Clock(sat_model.device), []
+    cache, clock, steps = new_cache(model.config), Clock(sat_model.device), []
     drafter = drafter_for(config)
     pending, history = list(prompt_ids), list(prompt_ids)  # not yet in the cache; every token so far
     with torch.inference_mode():

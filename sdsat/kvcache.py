@@ -1,10 +1,56 @@
-"""Surgery on the KV cache, in one place: a decoder owns its transformers `DynamicCache`, and only
+"""The KV cache, in one place: a decoder owns a transformers `DynamicCache` made by `new_cache`, and only
 these functions shrink it or move rows within it."""
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+GROW = 256  # tokens a layer's buffer grows by: a multiple of the row-invariant attention's key block
+
+
+class InPlaceLayer(DynamicLayer):
+    """A full-attention layer whose keys and values are written in place into a buffer grown GROW tokens at a
+    time, not concatenated into new tensors at every pass; `keys` and `values` are views of its first tokens.
+
+    Past them the buffer holds zeros or the keys of rows since dropped, all finite: the row-invariant attention
+    reads that room, masked, as its key padding instead of copying the cache into a padded tensor per layer.
+    """
+
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._key_buffer = self._value_buffer = None
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if self._key_buffer is None or end + 1 > self._key_buffer.shape[-2]:  # room for one padding key at least
+            self._grow(end + 1, key_states, value_states, start)
+        self._key_buffer[..., start:end, :] = key_states
+        self._value_buffer[..., start:end, :] = value_states
+        self.keys, self.values = self._key_buffer[..., :end, :], self._value_buffer[..., :end, :]
+        return self.keys, self.values
+
+    def _grow(self, tokens: int, key_states: torch.Tensor, value_states: torch.Tensor, kept: int) -> None:
+        size = -(-tokens // GROW) * GROW
+        buffers = []
+        for old, new in ((self._key_buffer, key_states), (self._value_buffer, value_states)):
+            buffer = new.new_zeros((*new.shape[:-2], size, new.shape[-1]))
+            if old is not None and kept:
+                buffer[..., :kept, :] = old[..., :kept, :]
+            buffers.append(buffer)
+        self._key_buffer, self._value_buffer = buffers
+
+
+def new_cache(config) -> DynamicCache:
+    """A `DynamicCache` for a model of `config` whose full-attention layers write in place (`InPlaceLayer`);
+    sliding-window and other layers stay as transformers makes them."""
+    cache = DynamicCache(config=config)
+    cache.layers = [InPlaceLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 def rollback(cache: DynamicCache, length: int) -> None:

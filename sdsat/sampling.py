@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .errors import check_real, check_whole
 from .records import AcceptTest
@@ -143,7 +143,8 @@ class TokenChooser:
     def __init__(self, config: SamplingConfig, device: torch.device):
         config.validate()
         self.config = config
-        self.warpers = LogitsProcessorList()
+        # A plain list: LogitsProcessorList inspects every warper's signature at each call.
+        self.warpers: list = []
         if config.do_sample:
             if config.temperature != 1.0:
                 self.warpers.append(TemperatureLogitsWarper(config.temperature))
@@ -161,8 +162,8 @@ class TokenChooser:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(N, V) logits -> (N, V) probabilities after temperature / top-k / top-p (float32)."""
         logits = logits.float()
-        if self.warpers:
-            logits = self.warpers(None, logits)  # these warpers ignore input_ids
+        for warper in self.warpers:
+            logits = warper(None, logits)  # these warpers ignore input_ids
         return torch.softmax(logits, dim=-1)
 
     def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

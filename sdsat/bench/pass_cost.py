@@ -22,10 +22,9 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from .. import timing
-from ..kvcache import rollback
+from ..kvcache import new_cache, rollback
 
 
 def measure(engine, sizes: list[int], context: int, repeats: int, seed: int = 0) -> dict:
@@ -39,7 +38,7 @@ def measure_settings(engine, sizes: list[int], context: int, repeats: int, setti
     gen = torch.Generator().manual_seed(seed)
     vocab = model.get_input_embeddings().weight.shape[0]
     device = sat_model.device
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     with torch.inference_mode():
         sat_model.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache,
                           logits_to_keep=1)

@@ -26,12 +26,11 @@ from typing import Callable, Iterator
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import drafters, kvcache, sat, timing, verify
 from .. import decoding as decoding_module
-from ..kvcache import rollback
+from ..kvcache import new_cache, rollback
 from ..sampling import TokenChooser
 
 PRODUCTS, ATTENTION, SAT_UPDATES = "layer products", "attention", "SAT updates"
@@ -133,7 +132,7 @@ def split_passes(sat_model, blocks: dict[str, tuple[str, int]], context: int = 2
     gen = torch.Generator().manual_seed(seed)
     device = sat_model.device
     vocab = sat_model.model.get_input_embeddings().weight.shape[0]
-    cache = DynamicCache(config=sat_model.model.config)
+    cache = new_cache(sat_model.model.config)
     with torch.inference_mode():
         sat_model.forward(torch.randint(0, vocab, (1, context), generator=gen).to(device), cache=cache,
                           logits_to_keep=1)
