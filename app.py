@@ -151,6 +151,11 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                           elem_id="machine-box"):
             machine = gr.HTML("", js_on_load=None, elem_id="machine")
             machine_plot = gr.Plot(label="Pass cost", show_label=False, elem_id="machine-plot")
+            # Measured on request, not at load: a few seconds of the compute thread (sdsat/ui/pass_time.py).
+            split_btn = gr.Button("Split a pass: where its time goes here (measures for a few seconds)", size="sm",
+                                  elem_id="split-btn")
+            split_out = gr.HTML("", elem_id="pass-split")
+            split_plot = gr.Plot(label="Pass split", show_label=False, elem_id="pass-split-plot")
         with gr.Accordion("Metrics, defined", open=False):
             gr.Markdown(
                 "- **Tokens/s**: new tokens ÷ wall time of the request (prompt reading included), "
@@ -258,6 +263,8 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
                          chat_examples=chat_examples, machine=machine, machine_plot=machine_plot)
     model.change(page.model_controls, [model, mode], [model_outputs[n] for n in MODEL_OUTPUTS],
                  api_visibility="private", concurrency_id="model")
+    split_btn.click(page.pass_split, [model], [split_out, split_plot], api_visibility="private",
+                    concurrency_id="model")
     iteration.input(page.explore, [record, iteration], explorer_out, api_visibility="private", preprocess=False)
     prev_btn.click(lambda r, i: page.step(r, i, -1), [record, iteration], [iteration, explorer_out],
                    api_visibility="private", preprocess=False)

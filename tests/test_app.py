@@ -18,11 +18,11 @@ from sdsat.decoding import StepRecord
 from sdsat.hardware import hardware_line
 from sdsat.models import DEFAULT_MODEL
 from sdsat.planner import Settings, predict
-from sdsat.ui import explorer
+from sdsat.ui import explorer, pass_time
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.headline import headline_html
 from sdsat.ui.machine import race_costs
-from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
+from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, auto_settings, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
 from sdsat.ui.race import make_record, race
 from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html
@@ -542,6 +542,36 @@ def test_this_machine_shows_a_curve_per_precision_and_the_chosen_passes(page, tu
     text = "".join(parse_html(view.html).text)
     assert ("bfloat16 routed: " in text and "(the fastest vanilla here)" in text
             and "5 of 75 rows change their top token when batched" in text)
+
+
+def test_this_machine_splits_sdsat_passes_and_the_fastest_vanillas_on_request(page, tuned_engine, monkeypatch):
+    """The This machine button: each of SDSAT's passes at auto's k in its own form, then the fastest vanilla's
+    one-token pass in that one's form (here another float32 form, made the fastest), split into parts that add up
+    to the pass; the model is left in SDSAT's form."""
+    model = tuned_engine.sat_model.model
+    own = f"float32 {tuning.form_of(model)}"
+    other = "float32 " + (tuning.PER_ROW if tuning.form_of(model) != tuning.PER_ROW else tuning.INVARIANT)
+    monkeypatch.setattr(tuned_engine, "tuning", replace(tuned_engine.tuning, vanilla_s={other: 1e-6}))
+    monkeypatch.setattr(pass_time, "REPEATS", 1)
+    k = auto_settings(tuned_engine.tuning, True, tuned_engine.max_k)["k"]
+    html, figure = page.pass_split(DEFAULT_MODEL)
+    assert tuning.form_of(model) == own.partition(" ")[2]
+    bars = {trace.name: dict(zip(trace.y, trace.x)) for trace in figure.data}
+    assert list(bars) == list(pass_time.PASS_PARTS)
+    labels = [f"SDSAT's form ({own}): {label}" for label in ("one token", f"verify, {k + 1} tokens",
+                                                           f"draft [t, SAT×{k}]")]
+    labels.append(f"the fastest vanilla ({other}): one token")
+    assert sorted(bars["attention"]) == sorted(labels)
+    table = parse_html(html)
+    text = "".join(table.text)
+    for label in labels:
+        total = sum(parts[label] for parts in bars.values())
+        assert label in text and f"{total:.1f}" in text  # the bars add up to the pass's total in the table
+        assert all(parts[label] >= 0 for name, parts in bars.items() if name != "other")
+        assert (bars["SAT updates"][label] > 0) == ("draft" in label)  # only the draft pass has SAT rows
+    monkeypatch.setattr(tuned_engine, "measuring", object())
+    html, _ = page.pass_split(DEFAULT_MODEL)
+    assert "being measured" in html
 
 
 def test_race_shows_predicted_and_implied_speedups_beside_the_achieved(page, tuned_engine, monkeypatch):

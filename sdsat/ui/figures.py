@@ -7,6 +7,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
+from ..bench.pass_split import PASS_PARTS, Split
 from ..costs import CostCurve
 from ..decoding import StepRecord
 from ..tree import DraftTree
@@ -14,6 +15,8 @@ from .render import source_class
 
 COLORS = {"vanilla": "#64748b", "sdsat": "#7c3aed", "verified": "#3b82f6", "draft": "#10b981", "bonus": "#f59e0b",
           "rejected": "#ef4444", "copy": "#0891b2"}
+
+PART_COLORS = ("#7c3aed", "#3b82f6", "#10b981", "#f59e0b", "#0891b2", "#94a3b8")  # a pass's parts, PASS_PARTS' order
 
 PRECISION_COLORS = {"float32": COLORS["sdsat"], "bfloat16": COLORS["copy"], "float16": COLORS["bonus"]}
 
@@ -141,6 +144,20 @@ def cost_figure(curves: dict[str, CostCurve], names: dict[str, str], usable: Seq
     fig.update_yaxes(rangemode="tozero")
     return _layout(fig, "What a forward pass costs here (as measured on this machine)", "tokens per pass",
                    "× a one-token pass", height=380)
+
+
+def split_figure(splits: dict[str, Split], context: int) -> go.Figure:
+    """One horizontal bar per pass, stacked by part, in ms."""
+    labels = list(splits)[::-1]  # plotly draws the first category at the bottom
+    fig = go.Figure()
+    for part, color in zip(PASS_PARTS, PART_COLORS):
+        fig.add_trace(go.Bar(y=labels, x=[1e3 * splits[label].parts[part] for label in labels], name=part,
+                             orientation="h", marker_color=color))
+    fig.update_layout(barmode="stack")
+    _layout(fig, f"Where a pass's time goes here ({context} tokens cached)", "ms per pass", "",
+            height=140 + 45 * len(labels))
+    fig.update_layout(margin=dict(l=330))
+    return fig
 
 
 def empty_figure(message: str) -> go.Figure:

@@ -17,10 +17,11 @@ from typing import Iterator, Mapping
 import anyio.to_thread
 import gradio as gr
 
+from ..compute import compute_thread
 from ..decoding import DecodeConfig
 from ..engine import Engine
 from ..models import ModelLoadError
-from . import explorer, figures, zerogpu
+from . import explorer, figures, pass_time, zerogpu
 from .headline import headline_html, progress_html
 from .machine import MachineView, auto_line, machine_view
 from .presets import AUTO, CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, auto_settings, scheme_of, scheme_settings
@@ -125,6 +126,21 @@ class Page:
         if built is None or built[0] is not engine.tuning or engine.measuring is not None:
             built = self._views[engine.name] = (engine.tuning, machine_view(engine))
         return built[1]
+
+    @visitor_errors
+    def pass_split(self, model: str) -> tuple:
+        """This machine's split of a pass, measured now (a few seconds, on the compute thread between visitors'
+        decodes): where the time of each of SDSAT's passes at auto's k, and of the fastest vanilla's one-token
+        pass, goes. Outputs: (split_html, split_plot)."""
+        engine = self._engine(model)
+        if zerogpu.on_zero_gpu():  # CUDA work may run only inside a GPU call there
+            return _note("Not measured on ZeroGPU: the GPU is lent per request."), figures.empty_figure("Not measured")
+        if engine.measuring is not None:
+            return (_note("This machine is being measured behind the page; split a pass once that ends."),
+                    figures.empty_figure("Measuring this machine…"))
+        k = max(1, auto_settings(engine.tuning, True, engine.max_k)["k"])
+        splits = compute_thread().run(pass_time.split_here, engine, k, urgent=True)
+        return pass_time.split_html(splits), figures.split_figure(splits, pass_time.CONTEXT)
 
     def auto_values(self, model: str, mode: str) -> dict:
         """auto's k, lookup_tokens and tree_candidates for `model` as loaded now (its plan for greedy or
@@ -379,6 +395,11 @@ def _checked(check, *args):
         return check(*args)
     except SettingError as err:
         raise invalid(err) from None
+
+
+
+def _note(text: str) -> str:
+    return f'<div class="machine"><div>{esc(text)}</div></div>'
 
 
 __all__ = ["MODEL_OUTPUTS", "Page", "RACE_INPUTS", "RACE_OUTPUTS"]
