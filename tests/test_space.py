@@ -52,7 +52,7 @@ def wait_for_page(url: str, app: subprocess.Popen, log: Path, seconds: float = 6
             with urllib.request.urlopen(url, timeout=5) as response:
                 return response.read().decode()
         except OSError:
-            time.sleep(2)
+            time.sleep(0.5)
     raise AssertionError(f"app.py did not serve {url} within {seconds} s:\n{log.read_text()[-3000:]}")
 
 
