@@ -7,7 +7,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from ..bench.pass_split import PASS_PARTS, Split
+from ..pass_parts import PASS_PARTS, Split
 from ..costs import CostCurve
 from ..decoding import StepRecord
 from ..tree import DraftTree

@@ -2,13 +2,13 @@
 
 SDSAT's passes are split in the form it decodes in (one token; a verify pass of k + 1 tokens; a draft pass
 [t, SAT×k]), and where the fastest vanilla runs in another precision or form, its one-token pass in that one,
-with `bench.pass_split` behind a cache of CONTEXT tokens. The page runs it on the compute thread, between
+with `pass_parts.split_passes` behind a cache of CONTEXT tokens. The page runs it on the compute thread, between
 visitors' decodes, on request: it takes a few seconds.
 """
 
 from __future__ import annotations
 
-from ..bench.pass_split import PASS_PARTS, Split, split_passes
+from ..pass_parts import PASS_PARTS, Split, split_passes
 from ..engine import Engine
 from ..tuning import dtype_name, form_of, trying
 from .render import esc
