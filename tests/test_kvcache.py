@@ -33,10 +33,12 @@ STEPS = [("feed", list(range(3, 40))), ("feed", [7]), ("feed", [9, 11, 13, 2]), 
          ("feed", [n % 60 + 2 for n in range(kvcache.GROW)]), ("feed", [3]), ("rollback", 100), ("feed", [8, 9])]
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", attention.TILED, attention.PER_ROW])
-def test_the_in_place_cache_gives_the_logits_of_transformers_cache_bit_for_bit(implementation: str):
+@pytest.mark.parametrize("implementation, dtype", [("sdpa", torch.float32), (attention.TILED, torch.float32),
+                                                   (attention.PER_ROW, torch.float32),
+                                                   (attention.KEYED, torch.bfloat16)])
+def test_the_in_place_cache_gives_the_logits_of_transformers_cache_bit_for_bit(implementation: str, dtype):
     attention.register()
-    model = make_tiny_llama(layers=2)
+    model = make_tiny_llama(layers=2).to(dtype)
     model.set_attn_implementation(implementation)
     ours = _logits_through(model, kvcache.new_cache(model.config), STEPS)
     theirs = _logits_through(model, DynamicCache(config=model.config), STEPS)
