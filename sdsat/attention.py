@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from .kvcache import has_room
+
 TILED, KEYED, PER_ROW = "sdsat_tiled", "sdsat_keyed", "sdsat_row_invariant"
 TILE_ROWS = 8  # query rows per call
 KEY_BLOCK = 64  # keys are padded to a multiple of this
@@ -124,7 +126,7 @@ class _Gathered:
     """Rows whose keys have gaps (a draft tree's nodes off the chain), one tile each, in one batched call."""
 
     rows: torch.Tensor  # (m,) their rows in the block
-    index: torch.Tensor  # (m * keys,) each row's keys (the cache, its ancestors, itself), then a zero key
+    index: torch.Tensor  # (m * keys,) each row's keys (the cache, its ancestors, itself), then a padding key
     tiles: list[_Tile]  # one per row, as the same token alone would have: row 0 real, padded to `keys`
     keys: int  # the padded key count shared by these rows
     mask: torch.Tensor | None = None  # (kv_heads * m, group * TILE_ROWS, keys), kept in small layouts
@@ -163,10 +165,10 @@ def _gathered_mask(gathered: _Gathered, group: int, kv_heads: int, device) -> to
     return masks.expand(kv_heads, *masks.shape).reshape(-1, *masks.shape[1:])
 
 
-def _gather(attention_mask: torch.Tensor, rows: list[int], padded: int, zero: int, size: int | None) -> _Gathered:
-    """`rows` of the block with their keys' indices, `padded` per row, the padding at index `zero` (a zero key)."""
+def _gather(attention_mask: torch.Tensor, rows: list[int], padded: int, past: int, size: int | None) -> _Gathered:
+    """`rows` of the block with their keys' indices, `padded` per row, the padding at index `past` (a masked key)."""
     indices = [_seen(attention_mask, t) for t in rows]
-    index = torch.full((len(rows), padded), zero, dtype=torch.long, device=attention_mask.device)
+    index = torch.full((len(rows), padded), past, dtype=torch.long, device=attention_mask.device)
     for i, seen in enumerate(indices):
         index[i, :seen.numel()] = seen
     return _Gathered(torch.tensor(rows, device=attention_mask.device), index.view(-1),
@@ -238,18 +240,10 @@ def _on_one_thread(attend):
     return on_one_thread
 
 
-def _has_room(x: torch.Tensor, width: int) -> bool:
-    """Whether (1, Hkv, S, D) `x` is the first S rows of a buffer of at least `width` rows per head."""
-    d, heads = x.shape[3], x.shape[1]
-    end = x.storage_offset() + (heads - 1) * x.stride(1) + width * d  # one past head Hkv - 1's row `width`
-    return (x.stride(3) == 1 and x.stride(2) == d and x.stride(1) >= width * d
-            and end <= x.untyped_storage().nbytes() // x.element_size())
-
-
 def _padded_float(x: torch.Tensor, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(1, Hkv, S, D) as `dtype` (Hkv, width, D), finite past S (masked for every row): a view of the cache's own
-    room past S where it has it (kvcache.InPlaceLayer), else a padded copy with zeros."""
-    if x.dtype == dtype and _has_room(x, width):
+    room past S where it has it in `dtype` (kvcache.has_room), else a padded copy with zeros."""
+    if x.dtype == dtype and has_room(x, width):
         return x[0].as_strided((x.shape[1], width, x.shape[3]), (x.stride(1), x.shape[3], 1))
     out = x.new_empty((x.shape[1], width, x.shape[3]), dtype=dtype)
     out[:, :x.shape[2]] = x[0]
@@ -269,7 +263,7 @@ def tiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
     layout = _layout_of(attention_mask, rows, keys, group, kv_heads, query.device)
-    # At least one zero key past the real ones: the gathered rows' padding points there.
+    # At least one key past the real ones (finite, masked): the gathered rows' padding points there.
     width = max(layout.keys, keys + 1 if layout.gathered else keys)
     key, value = _padded_float(key, width), _padded_float(value, width)
     out = query.new_empty((1, rows, heads, dim))

@@ -22,7 +22,7 @@ from sdsat.ui import explorer, pass_time
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.headline import headline_html
 from sdsat.ui.machine import race_costs
-from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, auto_settings, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
+from sdsat.ui.presets import AUTO, DEFAULT_SCHEME, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS, auto_settings
 from sdsat.ui.race import make_record, race
 from sdsat.ui.registry import EngineCache
 from sdsat.ui.render import esc, pieces_of, sdsat_html, vanilla_html

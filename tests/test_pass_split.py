@@ -1,10 +1,10 @@
-"""The time split of a pass and of a decoding loop (bench/pass_split.py), on a tiny model: the parts add up to
-the measured time, none is counted twice, and timing them leaves the output and the model as they were."""
+"""The time split of a pass (pass_parts.py) and of a decoding loop (bench/pass_split.py), on a tiny model: the
+parts add up to the measured time, none is counted twice, and timing them leaves the output and the model as
+they were."""
 
 from __future__ import annotations
 
-
-from sdsat import attention, cpu_kernels, tuning
+from sdsat import attention, cpu_kernels, pass_parts, tuning
 from sdsat.bench import pass_split
 from sdsat.decoding import DecodeConfig, collect, decode
 from test_decoding import TOKENIZER, make_sat_model
@@ -12,15 +12,15 @@ from test_decoding import TOKENIZER, make_sat_model
 
 def test_a_pass_split_adds_up_to_the_pass_and_names_each_part():
     sat_model = make_sat_model("adapter")
-    splits = pass_split.split_passes(sat_model, {"one": ("plain", 1), "four": ("plain", 4), "draft": ("draft", 3)},
+    splits = pass_parts.split_passes(sat_model, {"one": ("plain", 1), "four": ("plain", 4), "draft": ("draft", 3)},
                                      context=20, repeats=3)
     for label, split in splits.items():
-        assert set(split.parts) == set(pass_split.PASS_PARTS)
+        assert set(split.parts) == set(pass_parts.PASS_PARTS)
         assert all(v >= 0 for v in split.parts.values())  # "other" too: no part counted twice
         assert abs(sum(split.parts.values()) - split.total_s) < 1e-9
-        for part in (pass_split.PRODUCTS, pass_split.ATTENTION, pass_split.NORMS, pass_split.HEAD):
+        for part in (pass_parts.PRODUCTS, pass_parts.ATTENTION, pass_parts.NORMS, pass_parts.HEAD):
             assert split.parts[part] > 0, (label, part)
-    assert splits["draft"].parts[pass_split.SAT_UPDATES] > 0 and splits["one"].parts[pass_split.SAT_UPDATES] == 0
+    assert splits["draft"].parts[pass_parts.SAT_UPDATES] > 0 and splits["one"].parts[pass_parts.SAT_UPDATES] == 0
 
 
 def test_the_split_times_the_row_invariant_forms_and_puts_everything_back():
@@ -30,8 +30,8 @@ def test_the_split_times_the_row_invariant_forms_and_puts_everything_back():
         assert model.config._attn_implementation == attention.TILED
         before = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
         hooks = list(sat_model.adapter._hooks)
-        split = pass_split.split_passes(sat_model, {"draft": ("draft", 2)}, context=10, repeats=1)["draft"]
-        assert split.parts[pass_split.ATTENTION] > 0 and split.parts[pass_split.SAT_UPDATES] > 0
+        split = pass_parts.split_passes(sat_model, {"draft": ("draft", 2)}, context=10, repeats=1)["draft"]
+        assert split.parts[pass_parts.ATTENTION] > 0 and split.parts[pass_parts.SAT_UPDATES] > 0
         assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == before
         assert sat_model.adapter._hooks == hooks
         assert cpu_kernels.installed_plan(model) is not None

@@ -21,12 +21,8 @@ import torch
 
 from .. import drafters, kvcache, sat, timing, verify
 from .. import decoding as decoding_module
-from ..pass_parts import (ATTENTION, HEAD, NORMS, OTHER, PASS_PARTS, PRODUCTS, SAT_UPDATES, Split, Timer,
-                          patched, split_passes, with_rest)
+from ..pass_parts import PASS_PARTS, Split, Timer, patched, split_passes, with_rest
 from ..sampling import TokenChooser
-
-__all__ = ["ATTENTION", "HEAD", "NORMS", "OTHER", "PASS_PARTS", "PRODUCTS", "SAT_UPDATES", "Split",
-           "arithmetic_bound", "split_decode", "split_passes", "table"]
 
 PASSES, CHOOSING, SURGERY, LOOP = "forward passes", "choosing tokens", "KV-cache surgery", "loop Python"
 LOOP_PARTS = (PASSES, CHOOSING, SURGERY, LOOP)

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from ..pass_parts import PASS_PARTS, Split
 from ..costs import CostCurve
 from ..decoding import StepRecord
+from ..pass_parts import PASS_PARTS, Split
 from ..tree import DraftTree
 from .render import source_class
 

@@ -132,9 +132,9 @@ class Page:
         """This machine's split of a pass, measured now (a few seconds, on the compute thread between visitors'
         decodes): where the time of each of SDSAT's passes at auto's k, and of the fastest vanilla's one-token
         pass, goes. Outputs: (split_html, split_plot)."""
-        engine = self._engine(model)
         if zerogpu.on_zero_gpu():  # CUDA work may run only inside a GPU call there
             return _note("Not measured on ZeroGPU: the GPU is lent per request."), figures.empty_figure("Not measured")
+        engine = self._engine(model)
         if engine.measuring is not None:
             return (_note("This machine is being measured behind the page; split a pass once that ends."),
                     figures.empty_figure("Measuring this machine…"))
@@ -395,7 +395,6 @@ def _checked(check, *args):
         return check(*args)
     except SettingError as err:
         raise invalid(err) from None
-
 
 
 def _note(text: str) -> str:

@@ -8,8 +8,8 @@ visitors' decodes, on request: it takes a few seconds.
 
 from __future__ import annotations
 
-from ..pass_parts import PASS_PARTS, Split, split_passes
 from ..engine import Engine
+from ..pass_parts import PASS_PARTS, Split, split_passes
 from ..tuning import dtype_name, form_of, trying
 from .render import esc
 
