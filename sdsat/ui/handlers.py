@@ -23,7 +23,7 @@ from ..engine import Engine
 from ..models import ModelLoadError
 from . import explorer, figures, pass_time, zerogpu
 from .headline import headline_html, progress_html
-from .machine import MachineView, auto_line, machine_view
+from .machine import MachineView, auto_line, lines_html, machine_view
 from .presets import AUTO, CUSTOM, DEFAULT_SCHEME, SCHEME_LABELS, auto_settings, scheme_of, scheme_settings
 from .race import RaceRecord, make_record, race
 from .registry import EngineCache, max_context
@@ -133,10 +133,11 @@ class Page:
         decodes): where the time of each of SDSAT's passes at auto's k, and of the fastest vanilla's one-token
         pass, goes. Outputs: (split_html, split_plot)."""
         if zerogpu.on_zero_gpu():  # CUDA work may run only inside a GPU call there
-            return _note("Not measured on ZeroGPU: the GPU is lent per request."), figures.empty_figure("Not measured")
+            return (lines_html(["Not measured on ZeroGPU: the GPU is lent per request."]),
+                    figures.empty_figure("Not measured"))
         engine = self._engine(model)
         if engine.measuring is not None:
-            return (_note("This machine is being measured behind the page; split a pass once that ends."),
+            return (lines_html(["This machine is being measured behind the page; split a pass once that ends."]),
                     figures.empty_figure("Measuring this machine…"))
         k = max(1, auto_settings(engine.tuning, True, engine.max_k)["k"])
         splits = compute_thread().run(pass_time.split_here, engine, k, urgent=True)
@@ -395,10 +396,6 @@ def _checked(check, *args):
         return check(*args)
     except SettingError as err:
         raise invalid(err) from None
-
-
-def _note(text: str) -> str:
-    return f'<div class="machine"><div>{esc(text)}</div></div>'
 
 
 __all__ = ["MODEL_OUTPUTS", "Page", "RACE_INPUTS", "RACE_OUTPUTS"]

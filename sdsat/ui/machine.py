@@ -104,15 +104,15 @@ def machine_view(engine: Engine) -> MachineView:
     tuning = engine.tuning
     chosen = auto_settings(tuning, max_k=engine.max_k)
     if on_zero_gpu():  # naming the GPU would start CUDA outside a GPU call
-        return MachineView(_lines_html([not_measured(chosen)]), figures.empty_figure("Not measured on ZeroGPU"))
+        return MachineView(lines_html([not_measured(chosen)]), figures.empty_figure("Not measured on ZeroGPU"))
     lines = [hardware_line(engine.model)]
     measuring = engine.measuring  # read once: the tuning thread may clear it at any moment
     if tuning is None and measuring is not None:
         lines.append(measuring_line(measuring, chosen))
-        return MachineView(_lines_html(lines), figures.empty_figure("Measuring this machine…"))
+        return MachineView(lines_html(lines), figures.empty_figure("Measuring this machine…"))
     if tuning is None or not tuning.curves:
         lines.append(not_measured(chosen))
-        return MachineView(_lines_html(lines), figures.empty_figure("Not measured"))
+        return MachineView(lines_html(lines), figures.empty_figure("Not measured"))
     fastest, names = tuning.baseline[0], tuning.names
     for precision, curve in tuning.curves.items():
         line = f"{names[precision]}: {1e3 * curve.one_token_s:.1f} ms per one-token pass"
@@ -131,10 +131,10 @@ def machine_view(engine: Engine) -> MachineView:
                      "measures it again when the machine is quiet, `python -m sdsat tune --force` on request)")
     lines.append(auto_line(tuning, chosen))
     figure = figures.cost_figure(tuning.curves, names, tuning.usable, dtype_name(engine.model), chosen)
-    return MachineView(_lines_html(lines), figure)
+    return MachineView(lines_html(lines), figure)
 
 
-def _lines_html(lines: list[str]) -> str:
+def lines_html(lines: list[str]) -> str:
     return '<div class="machine">' + "".join(f"<div>{esc(line)}</div>" for line in lines) + "</div>"
 
 
