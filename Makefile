@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test install browser clean
+.PHONY: demo test test-slow install browser clean
 
 install: $(STAMP)
 
@@ -29,9 +29,14 @@ demo: install
 	$(BIN)/python app.py
 
 # --no-loadscope-reorder: the long test modules start first (tests/conftest.py), not the ones with most tests.
+# `make test-slow` runs what `make test` leaves out: the soak (minutes of HTTP fuzz and sequential races against
+# one server) and the deployment checks (a Space's fresh environment, ZeroGPU). CI runs both.
 test: install browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not soak and not deploy" tests
+
+test-slow: install
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "soak or deploy" tests
 
 clean:
 	rm -rf $(VENV)

@@ -14,10 +14,11 @@ wider blocks and gradients use `nn.Linear` as is.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,9 @@ class KernelPlan:
 
 
 _PLANS: dict[str, KernelPlan] = {}  # one tuning per process, machine, model layout and thread count
+# While `reusing_packs` is active: per (layer, packing), the weight tensor packed (held, so that its memory cannot
+# be reused by another tensor), its version counter and the packed copy.
+_PACKS: dict[tuple[int, str], tuple[torch.Tensor, int, object]] | None = None
 
 
 def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
@@ -239,11 +243,42 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
             continue
         for module in modules:
             module._sdsat_choices = choices
-            module._sdsat_packed = (_pack_chunks(module.weight, MAX_ROWS) if "invariant" in choices
-                                    else _pack(module.weight, len(choices)) if "onednn_packed" in choices else None)
+            module._sdsat_packed = (_packed(module, "invariant", lambda w: _pack_chunks(w, MAX_ROWS))
+                                    if "invariant" in choices else
+                                    _packed(module, f"onednn_packed {len(choices)}", lambda w: _pack(w, len(choices)))
+                                    if "onednn_packed" in choices else None)
             module.forward = types.MethodType(_routed_forward, module)
             routed += 1
     return routed
+
+
+@contextlib.contextmanager
+def reusing_packs() -> Iterator[None]:
+    """Within the block, `install` packs a weight tensor once per packing: a tuning switches forms and precisions
+    dozens of times, and routing the same weights again then costs no copy. The packed copies are dropped after."""
+    global _PACKS
+    if _PACKS is not None:  # an outer block keeps them
+        yield
+        return
+    _PACKS = {}
+    try:
+        yield
+    finally:
+        _PACKS = None
+
+
+def _packed(module: nn.Linear, packing: str, pack):
+    weight = module.weight.detach()
+    if _PACKS is None:
+        return pack(weight)
+    held = _PACKS.get((id(module), packing))
+    if (held is not None and held[0].data_ptr() == weight.data_ptr() and held[0].dtype == weight.dtype
+            and held[0].shape == weight.shape
+            and held[0].stride() == weight.stride() and held[1] == weight._version):
+        return held[2]
+    packed = pack(weight)
+    _PACKS[(id(module), packing)] = (weight, weight._version, packed)
+    return packed
 
 
 def uninstall(model: nn.Module) -> None:

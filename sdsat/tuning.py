@@ -201,24 +201,24 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
     if in_form(sat_model, precision, kernels, form):
         yield
         return
-    modules = [m for m in (model, sat_model.adapter) if m is not None]
-    saved = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in modules]
-    dtypes = [next(m.parameters()).dtype for m in modules]
+    # Each parameter's tensor itself, not a copy: a conversion gives the parameter a new tensor and leaves this one
+    # as it was, so putting it back restores the model bit for bit, and `install` finds the packs it made of it.
+    params = [(p, p.data) for m in (model, sat_model.adapter) if m is not None for p in m.parameters()]
     buffers = _float_buffers(model)
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
-    try:
-        set_precision(sat_model, precision, kernels, form)
-        yield
-    finally:
-        cpu_kernels.uninstall(model)
-        for m, state, dtype in zip(modules, saved, dtypes):
-            m.to(dtype)
-            m.load_state_dict(state)
-        _put_buffers(model, buffers)
-        model.set_attn_implementation(attn)
-        if plan is not None:
-            cpu_kernels.install(model, plan)
+    with cpu_kernels.reusing_packs():
+        try:
+            set_precision(sat_model, precision, kernels, form)
+            yield
+        finally:
+            cpu_kernels.uninstall(model)
+            for param, data in params:
+                param.data = data
+            _put_buffers(model, buffers)
+            model.set_attn_implementation(attn)
+            if plan is not None:
+                cpu_kernels.install(model, plan)
 
 
 def precisions_to_try(model: torch.nn.Module, fixed: bool) -> list[str]:
@@ -442,21 +442,22 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     found = {p: kept[p] if p not in fresh or remeasure == "noisy" else None for p in precisions}
     steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh) + REVISIT_ROUNDS * len(fresh),
                    on_step, requests_begun)
-    for round_ in range(MEASURE_ROUNDS):
-        for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
-            steps.overlapped = False
-            measured = _measure(sat_model, precision, kernels, steps)
-            measured.noisy |= steps.overlapped
-            if found[precision] is None or measured.rank() < found[precision].rank():
-                found[precision] = measured
-        if not any(found[p].noisy for p in fresh):
-            break
-        if round_ + 1 < MEASURE_ROUNDS:
-            steps.state.total += sum(_steps_per_precision(sat_model, p, kernels) for p in fresh)
-    measured_now = {p: found[p] for p in fresh if found[p] is not kept[p]}  # not a kept run that stayed better
-    steps.state.total -= REVISIT_ROUNDS * (len(fresh) - len(measured_now))
-    if measured_now:
-        _time_again(sat_model, measured_now, kernels, steps)
+    with cpu_kernels.reusing_packs():  # the forms come and go: each weight is packed once per packing
+        for round_ in range(MEASURE_ROUNDS):
+            for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
+                steps.overlapped = False
+                measured = _measure(sat_model, precision, kernels, steps)
+                measured.noisy |= steps.overlapped
+                if found[precision] is None or measured.rank() < found[precision].rank():
+                    found[precision] = measured
+            if not any(found[p].noisy for p in fresh):
+                break
+            if round_ + 1 < MEASURE_ROUNDS:
+                steps.state.total += sum(_steps_per_precision(sat_model, p, kernels) for p in fresh)
+        measured_now = {p: found[p] for p in fresh if found[p] is not kept[p]}  # not a kept run that stayed better
+        steps.state.total -= REVISIT_ROUNDS * (len(fresh) - len(measured_now))
+        if measured_now:
+            _time_again(sat_model, measured_now, kernels, steps)
     for precision in precisions:
         measured = found[precision]
         if precision in fresh:

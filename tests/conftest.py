@@ -40,9 +40,10 @@ def make_tiny_llama(vocab_size: int = 64, hidden_size: int = 32, layers: int = 2
 # The modules that take longest, longest first: `make test` runs the modules on two workers (pytest-xdist,
 # --dist loadfile, in this order with --no-loadscope-reorder), and starting the long ones first keeps one worker
 # from running a long module alone at the end.
-LONG_MODULES = ("test_bench.py", "test_space.py", "test_first_minutes.py", "test_sampling.py", "test_page.py",
-                "test_public_api.py", "test_cli.py", "test_head.py", "test_robustness.py", "test_tuning.py",
-                "test_compute.py", "test_ctrl_c.py", "test_drafts.py", "test_default_model.py")
+LONG_MODULES = ("test_bench.py", "test_page.py", "test_first_minutes.py", "test_sampling.py", "test_cli.py",
+                "test_head.py", "test_tuning.py", "test_robustness.py", "test_compute.py", "test_space.py",
+                "test_public_api.py", "test_ctrl_c.py", "test_drafts.py", "test_app.py", "test_train.py",
+                "test_default_model.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,7 +53,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "soak: minutes-long server tests (the API fuzz and the race soak); "
-                            "`make test` runs them, `pytest -m 'not soak'` leaves them out")
+                            "`make test-slow` runs them (CI too), `make test` leaves them out")
+    config.addinivalue_line("markers", "deploy: the app as deployed, a Space's fresh environment and ZeroGPU; "
+                            "`make test-slow` runs them (CI too), `make test` leaves them out")
 
 
 @pytest.fixture

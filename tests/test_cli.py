@@ -24,11 +24,23 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+NEW_TOKENS = "24"
+SEP = "\n" + "-" * 60 + "\n"  # between the text and the statistics
+
+
 @pytest.fixture(scope="module")
 def sdsat_json() -> dict:
-    proc = cli("--prompt", PROMPT, "--method", "sdsat", "--k", "5", "--max-new-tokens", "16", "--json")
+    proc = cli("--prompt", PROMPT, "--method", "sdsat", "--k", "5", "--max-new-tokens", NEW_TOKENS, "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)  # stdout is exactly one JSON object: nothing else got onto it
+
+
+@pytest.fixture(scope="module")
+def vanilla_output() -> str:
+    """What `generate --method vanilla` prints for PROMPT: the reference of the SDSAT runs below."""
+    proc = cli("--prompt", PROMPT, "--method", "vanilla", "--max-new-tokens", NEW_TOKENS)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
 
 
 def test_json_output_has_the_result_and_its_records(sdsat_json: dict):
@@ -37,17 +49,15 @@ def test_json_output_has_the_result_and_its_records(sdsat_json: dict):
                 "acceptance_by_position", "mean_tokens_per_iteration", "model", "settings"):
         assert key in out, key
     assert (out["method"], out["k"], out["settings"]["sampling"]["do_sample"]) == ("sdsat", 5, False)
-    assert 0 < len(out["token_ids"]) <= 16 and out["text"].strip()
+    assert 0 < len(out["token_ids"]) <= int(NEW_TOKENS) and out["text"].strip()
     assert out["seconds"] > 0 and out["tokens_per_second"] > 0
     assert [t for step in out["steps"] for t in step["tokens"]] == out["token_ids"]
     assert out["forward_passes"] == 2 * len(out["steps"]) == sum(len(s["pass_seconds"]) for s in out["steps"])
     assert all({"drafts", "accepted", "rejected", "sources", "kv_len"} <= set(step) for step in out["steps"])
 
 
-def test_greedy_sdsat_prints_the_same_text_as_vanilla(sdsat_json: dict):
-    proc = cli("--prompt", PROMPT, "--method", "vanilla", "--max-new-tokens", "16")
-    assert proc.returncode == 0, proc.stderr
-    text, _, stats = proc.stdout.partition("\n" + "-" * 60 + "\n")
+def test_greedy_sdsat_prints_the_same_text_as_vanilla(sdsat_json: dict, vanilla_output: str):
+    text, _, stats = vanilla_output.partition(SEP)
     assert text == sdsat_json["text"] + "\n"
     assert f"vanilla: {len(sdsat_json['token_ids'])} new tokens" in stats and "tokens/s" in stats
 
@@ -57,17 +67,14 @@ def test_lookup_verifies_copies_and_prints_the_same_text():
     vanilla = cli("--prompt", prompt, "--method", "vanilla", "--max-new-tokens", "24")
     lookup = cli("--prompt", prompt, "--lookup", "8", "--max-new-tokens", "24")
     assert vanilla.returncode == lookup.returncode == 0, vanilla.stderr + lookup.stderr
-    sep = "\n" + "-" * 60 + "\n"
-    assert lookup.stdout.partition(sep)[0] == vanilla.stdout.partition(sep)[0]
+    assert lookup.stdout.partition(SEP)[0] == vanilla.stdout.partition(SEP)[0]
     assert "prompt lookup: " in lookup.stdout and "iterations verified copied tokens" in lookup.stdout
 
 
-def test_a_draft_tree_prints_the_same_text_and_how_often_a_runner_up_was_taken():
-    vanilla = cli("--prompt", PROMPT, "--method", "vanilla", "--max-new-tokens", "24")
-    tree = cli("--prompt", PROMPT, "--tree", "2", "--k", "3", "--max-new-tokens", "24")
-    assert vanilla.returncode == tree.returncode == 0, vanilla.stderr + tree.stderr
-    sep = "\n" + "-" * 60 + "\n"
-    assert tree.stdout.partition(sep)[0] == vanilla.stdout.partition(sep)[0]
+def test_a_draft_tree_prints_the_same_text_and_how_often_a_runner_up_was_taken(vanilla_output: str):
+    tree = cli("--prompt", PROMPT, "--tree", "2", "--k", "3", "--max-new-tokens", NEW_TOKENS)
+    assert tree.returncode == 0, tree.stderr
+    assert tree.stdout.partition(SEP)[0] == vanilla_output.partition(SEP)[0]
     assert "draft tree: up to 5 candidates per verify pass; " in tree.stdout  # k = 3 drafts and 2 runner-ups
     line = one_error_line(cli("--prompt", PROMPT, "--tree", "9"))
     assert "tree_candidates must be between 0 (off) and 8, got 9" in line

@@ -25,6 +25,8 @@ from local_hub import HubRepo, LocalHub
 from sdsat import default_model
 from sdsat.decoding import DecodeConfig, collect
 
+pytestmark = pytest.mark.deploy  # `make test-slow`, not `make test`
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 NEW_TOKENS = 24
