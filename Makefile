@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   start the web demo on the embedded default model
-#   make test   lint (ruff) and run the whole test suite
+#   make test   lint (ruff) and run the test suite (make test-slow: the soak and the deployment checks)
 # Both create (or reuse) .venv and install what they need.
 
 PYTHON ?= python3

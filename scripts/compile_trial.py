@@ -8,6 +8,7 @@
 
 Only the plain form is compiled: inductor cannot lower the routed products' oneDNN packed weights, and the
 plain form's products are not row-invariant, so SDSAT cannot decode in it (docs/results.md, "torch.compile").
+Where this machine has no kernel plan kept yet, the routed form measures one first (a minute or two).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import DynamicCache
 
 from sdsat import tuning
 from sdsat.engine import Engine
+from sdsat.models import LoadConfig
 from sdsat.hardware import cpu_name
 
 FORMS = ("eager routed", "eager plain", "compiled plain")
@@ -47,7 +49,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="cached tokens behind each pass (default 256)")
     parser.add_argument("--steps", type=int, default=20, help="timed passes per form and round (default 20)")
     args = parser.parse_args()
-    routed, plain = Engine.load(), Engine.load()
+    routed, plain = (Engine.load(LoadConfig(device="cpu")) for _ in range(2))  # the CPU's forms, a GPU or not
     tuning.set_precision(routed.sat_model, args.precision, kernels=True, form=tuning.ROUTED)
     tuning.set_precision(plain.sat_model, args.precision, kernels=False, form=tuning.ROUTED)
     compiled = torch.compile(plain.sat_model.model, dynamic=True)

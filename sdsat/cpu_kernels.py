@@ -66,9 +66,9 @@ class KernelPlan:
 
 
 _PLANS: dict[str, KernelPlan] = {}  # one tuning per process, machine, model layout and thread count
-# While `reusing_packs` is active: per (layer, packing), the weight tensor packed (held, so that its memory cannot
-# be reused by another tensor), its version counter and the packed copy.
-_PACKS: dict[tuple[int, str], tuple[torch.Tensor, int, object]] | None = None
+# The attribute a model keeps its packs in while `reusing_packs` runs: per (layer, packing), the layer, the weight
+# tensor packed, its version counter and the packed copy.
+_PACK_MEMO = "_sdsat_pack_memo"
 
 
 def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
@@ -236,6 +236,7 @@ def _set_aside(cache_file: Path, why: str) -> None:
 def install(model: nn.Module, plan: KernelPlan) -> int:
     """Route the products of `model`'s linear layers per `plan`; returns how many layers were routed."""
     model._sdsat_kernel_plan = plan
+    memo = model.__dict__.get(_PACK_MEMO)
     routed = 0
     for shape, modules in _groups(model).items():
         choices = plan.choices.get(shape)
@@ -243,41 +244,50 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
             continue
         for module in modules:
             module._sdsat_choices = choices
-            module._sdsat_packed = (_packed(module, "invariant", lambda w: _pack_chunks(w, MAX_ROWS))
-                                    if "invariant" in choices else
-                                    _packed(module, f"onednn_packed {len(choices)}", lambda w: _pack(w, len(choices)))
-                                    if "onednn_packed" in choices else None)
+            module._sdsat_packed = (
+                _packed(memo, module, "invariant", lambda w: _pack_chunks(w, MAX_ROWS)) if "invariant" in choices
+                else _packed(memo, module, f"onednn_packed {len(choices)}", lambda w: _pack(w, len(choices)))
+                if "onednn_packed" in choices else None)
             module.forward = types.MethodType(_routed_forward, module)
             routed += 1
     return routed
 
 
 @contextlib.contextmanager
-def reusing_packs() -> Iterator[None]:
-    """Within the block, `install` packs a weight tensor once per packing: a tuning switches forms and precisions
-    dozens of times, and routing the same weights again then costs no copy. The packed copies are dropped after."""
-    global _PACKS
-    if _PACKS is not None:  # an outer block keeps them
+def reusing_packs(model: nn.Module) -> Iterator[None]:
+    """Within the block, `install` does not pack `model`'s weight tensors again that it packed before in the same
+    way: a tuning switches forms dozens of times, and routing the same weights again then costs no copy.
+    Afterwards the packed copies not in use are dropped."""
+    if _PACK_MEMO in model.__dict__:  # an outer block keeps them
         yield
         return
-    _PACKS = {}
+    setattr(model, _PACK_MEMO, {})
     try:
         yield
     finally:
-        _PACKS = None
+        delattr(model, _PACK_MEMO)
 
 
-def _packed(module: nn.Linear, packing: str, pack):
+def drop_stale_packs(model: nn.Module) -> None:
+    """Forget the packs of weight tensors that `model`'s layers no longer hold (another precision's, put back)."""
+    memo = model.__dict__.get(_PACK_MEMO)
+    if memo is not None:
+        for key in [key for key, (module, weight, *_) in memo.items() if module.weight.data_ptr() != weight.data_ptr()]:
+            del memo[key]
+
+
+def _packed(memo: dict | None, module: nn.Linear, packing: str, pack):
+    """`pack(module.weight)`, or the copy `memo` (by `reusing_packs`) holds of this very tensor, unchanged since."""
     weight = module.weight.detach()
-    if _PACKS is None:
+    if memo is None:
         return pack(weight)
-    held = _PACKS.get((id(module), packing))
-    if (held is not None and held[0].data_ptr() == weight.data_ptr() and held[0].dtype == weight.dtype
-            and held[0].shape == weight.shape
-            and held[0].stride() == weight.stride() and held[1] == weight._version):
-        return held[2]
+    held = memo.get((id(module), packing))
+    if held is not None and held[0] is module and (
+            held[1].data_ptr(), held[1].dtype, held[1].shape, held[1].stride(), held[2]) == (
+            weight.data_ptr(), weight.dtype, weight.shape, weight.stride(), weight._version):
+        return held[3]
     packed = pack(weight)
-    _PACKS[(id(module), packing)] = (weight, weight._version, packed)
+    memo[(id(module), packing)] = (module, weight, weight._version, packed)  # the tensor held: its memory stays its own
     return packed
 
 

@@ -201,24 +201,30 @@ def trying(sat_model, precision: str, kernels: bool = True, form: str = ROUTED):
     if in_form(sat_model, precision, kernels, form):
         yield
         return
+    modules = [m for m in (model, sat_model.adapter) if m is not None]
     # Each parameter's tensor itself, not a copy: a conversion gives the parameter a new tensor and leaves this one
     # as it was, so putting it back restores the model bit for bit, and `install` finds the packs it made of it.
-    params = [(p, p.data) for m in (model, sat_model.adapter) if m is not None for p in m.parameters()]
-    buffers = _float_buffers(model)
+    # The owner and name too, where a conversion gives the module a new parameter object.
+    params = [(owner, name, param, param.data) for m in modules for owner in m.modules()
+              for name, param in owner.named_parameters(recurse=False)]
+    buffers = [_float_buffers(m) for m in modules]  # the adapter's too: its base embedding
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
-    with cpu_kernels.reusing_packs():
+    with cpu_kernels.reusing_packs(model):
         try:
             set_precision(sat_model, precision, kernels, form)
             yield
         finally:
             cpu_kernels.uninstall(model)
-            for param, data in params:
+            for owner, name, param, data in params:
+                owner._parameters[name] = param
                 param.data = data
-            _put_buffers(model, buffers)
+            for m, kept in zip(modules, buffers):
+                _put_buffers(m, kept)
             model.set_attn_implementation(attn)
             if plan is not None:
                 cpu_kernels.install(model, plan)
+            cpu_kernels.drop_stale_packs(model)
 
 
 def precisions_to_try(model: torch.nn.Module, fixed: bool) -> list[str]:
@@ -442,7 +448,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     found = {p: kept[p] if p not in fresh or remeasure == "noisy" else None for p in precisions}
     steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh) + REVISIT_ROUNDS * len(fresh),
                    on_step, requests_begun)
-    with cpu_kernels.reusing_packs():  # the forms come and go: each weight is packed once per packing
+    with cpu_kernels.reusing_packs(model):  # the forms come and go: their weights are not packed again
         for round_ in range(MEASURE_ROUNDS):
             for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
                 steps.overlapped = False

@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-# Tests slow only by their size run smaller in `make test`, in full with SDSAT_FULL_TESTS=1 (the API fuzz and the
-# race soak, test_public_api.py).
+# Tests slow only by their size run smaller in `make test-slow`, in full with SDSAT_FULL_TESTS=1 (the API fuzz and
+# the race soak, test_public_api.py).
 FULL_TESTS = os.environ.get("SDSAT_FULL_TESTS", "") not in ("", "0")
 
 

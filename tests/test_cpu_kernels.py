@@ -212,26 +212,32 @@ def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(dtype):
 @pytest.mark.skipif(not cpu_kernels.invariant_available(), reason="no row-invariant kernels in this torch")
 def test_a_tuning_packs_each_weight_once_and_a_changed_weight_again():
     """Within `reusing_packs`, routing the same weights again reuses their packed copy (a tuning switches forms
-    dozens of times); a weight changed in place, or given a new tensor, is packed anew, and nothing is kept after."""
-    layer = nn.Linear(24, 40, bias=False)
-    plan = cpu_kernels.invariant_plan(layer)
+    dozens of times); a weight changed in place, or given a new tensor, is packed anew; packs of tensors the model
+    no longer holds are dropped, and nothing is kept after the block."""
+    model = nn.Sequential(nn.Linear(24, 40, bias=False))
+    layer = model[0]
+    plan = cpu_kernels.invariant_plan(model)
     x = torch.randn(3, 24)
-    with cpu_kernels.reusing_packs():
-        cpu_kernels.install(layer, plan)
+    with cpu_kernels.reusing_packs(model):
+        cpu_kernels.install(model, plan)
         first = layer._sdsat_packed
-        cpu_kernels.uninstall(layer)
-        cpu_kernels.install(layer, plan)
+        cpu_kernels.uninstall(model)
+        cpu_kernels.install(model, plan)
         assert layer._sdsat_packed is first
         with torch.no_grad():
             layer.weight.mul_(2)  # in place: the version counter moves
-        cpu_kernels.install(layer, plan)
+        cpu_kernels.install(model, plan)
         assert layer._sdsat_packed is not first
         with torch.inference_mode():
             torch.testing.assert_close(layer(x), x @ layer.weight.t())  # the doubled weight's product
-        layer.weight.data = layer.weight.data.to(torch.bfloat16)  # a conversion: a new tensor
-        cpu_kernels.install(layer, plan)
+        doubled = layer.weight.data
+        layer.weight.data = doubled.to(torch.bfloat16)  # a conversion: a new tensor
+        cpu_kernels.install(model, plan)
         assert layer._sdsat_packed[0].dtype == torch.bfloat16
-    assert cpu_kernels._PACKS is None
+        layer.weight.data = doubled  # put back, as `tuning.trying` does: the bfloat16 pack is stale now
+        cpu_kernels.drop_stale_packs(model)
+        assert not model._sdsat_pack_memo
+    assert "_sdsat_pack_memo" not in model.__dict__
     packed = layer._sdsat_packed
-    cpu_kernels.install(layer, plan)
+    cpu_kernels.install(model, plan)
     assert layer._sdsat_packed is not packed

@@ -99,3 +99,11 @@ def test_a_greedy_mismatch_says_what_it_means_in_each_form():
     assert "often differ" in mismatch_meaning("bfloat16")
     every = mismatch_meaning("")
     assert "bug" in every and "nearly tie" in every and "often differ" in every
+
+
+def test_the_readme_configures_the_space_as_its_check_runs_it():
+    """tests/test_space.py starts `python app.py` after installing requirements.txt alone, as this front matter
+    tells a Space to."""
+    front = README.split("---")[1]
+    assert README.startswith("---\n") and "sdk: gradio" in front and "app_file: app.py" in front
+    assert "pre-install" not in README

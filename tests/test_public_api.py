@@ -122,7 +122,7 @@ def test_a_visitors_race_is_kept_for_a_limited_time_and_number_of_visitors(serve
 
 # -- the fuzz ---------------------------------------------------------------------------------------------------
 def fuzz_values(seed: int) -> list:
-    """FUZZ plus a few random values of random types; in `make test` every third one of them (see below)."""
+    """FUZZ plus a few random values of random types; in `make test-slow` every third one of them (see below)."""
     rng = random.Random(seed)
     extra = [rng.choice([rng.uniform(-1e9, 1e9), rng.randint(-(2**70), 2**70),
                          "".join(chr(rng.randint(1, 0x2FFF)) for _ in range(rng.randint(0, 12))),
@@ -130,7 +130,7 @@ def fuzz_values(seed: int) -> list:
     return FUZZ + extra if FULL_TESTS else (FUZZ + extra)[seed % 3::3]
 
 
-# Full size (SDSAT_FULL_TESTS=1): every input gets every value. `make test` makes a third of the calls: input i
+# Full size (SDSAT_FULL_TESTS=1): every input gets every value. `make test-slow` makes a third of the calls: input i
 # gets the values at places i, i + 3, i + 6, ..., so each value still reaches every third input of each endpoint,
 # and every input still gets strings, a container or null, a number past int64 or float and NaN, inf or -0.0.
 @pytest.mark.soak
@@ -153,7 +153,7 @@ def test_fuzz_every_input_of_every_public_endpoint(server, endpoint):
 
 
 # -- the soak ---------------------------------------------------------------------------------------------------
-# Full size (SDSAT_FULL_TESTS=1): 300 races past a capacity of 20 sessions. `make test` runs 30 past 10, three
+# Full size (SDSAT_FULL_TESTS=1): 300 races past a capacity of 20 sessions. `make test-slow` runs 30 past 10, three
 # times the capacity: the warm-up (the first third) fills it, and every later race evicts a session. RSS is
 # compared between the end of the warm-up and the last race.
 SESSIONS = 20 if FULL_TESTS else 10

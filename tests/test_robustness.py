@@ -241,11 +241,12 @@ REFUSED_AFTER_LOADING = [
 ]
 
 
-@pytest.mark.parametrize("args, message", REFUSED_AFTER_LOADING)
-def test_cli_refuses_with_one_line_after_loading(args, message, capsys):
+@pytest.mark.parametrize("case", range(len(REFUSED_AFTER_LOADING)))
+def test_cli_refuses_with_one_line_after_loading(case, capsys):
     """The first case as a user runs it, in a process of its own (nothing that loading prints gets out); the others
     through the same entry point in this process, which loads the model a few times faster."""
-    if args is REFUSED_AFTER_LOADING[0][0]:
+    args, message = REFUSED_AFTER_LOADING[case]
+    if case == 0:
         proc = subprocess.run([sys.executable, "-m", "sdsat", "generate", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=600, env=os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
         code, out, err = proc.returncode, proc.stdout, proc.stderr

@@ -186,13 +186,6 @@ def test_the_space_then_fetches_the_default_model_and_decodes_identically(space,
     assert "Traceback" not in space["log"].read_text()
 
 
-def test_the_readme_configures_the_space_as_the_check_runs_it():
-    readme = (ROOT / "README.md").read_text()
-    front = readme.split("---")[1]
-    assert readme.startswith("---\n") and "sdk: gradio" in front and "app_file: app.py" in front
-    assert "pre-install" not in readme
-
-
 FAKE_SPACES = '''
 """A stand-in for the `spaces` package as it behaves on ZeroGPU: every call of a decorated function is
 noted, and its arguments and each value it returns or yields are pickled, as they cross processes there."""

@@ -61,21 +61,32 @@ def test_routed_float32_differs_by_rounding_alone(kind):
     assert check.close and check.argmax_equal == check.rows, check
 
 
-@INVARIANT_HERE
-def test_trying_a_precision_restores_the_model_bit_for_bit():
+@pytest.mark.parametrize("kernels", [pytest.param(True, marks=INVARIANT_HERE), False])
+def test_trying_a_precision_restores_the_model_bit_for_bit(kernels):
+    """The model's and the adapter's parameters and buffers come back bit for bit and in their dtype, tied weights
+    tied. Without kernels the adapter is converted too (with them it stays in float32)."""
     sat_model = make_sat_model("adapter")
     model = sat_model.model
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as SmolLM2's are
+    with torch.no_grad():
+        sat_model.adapter.base_embedding.normal_()  # not representable in bfloat16
     plan = cpu_kernels.KernelPlan({tuple(m.weight.shape): ["linear"] * 4 for m in model.modules()
                                    if isinstance(m, torch.nn.Linear)})
     cpu_kernels.install(model, plan)
     before, attention = _state(sat_model), model.config._attn_implementation
-    with tuning.trying(sat_model, "bfloat16", form=tuning.INVARIANT):
-        assert model.config._attn_implementation == sdsat_attention.TILED
-        assert cpu_kernels.installed_plan(model).invariant
+    form = tuning.INVARIANT if kernels else tuning.ROUTED
+    with tuning.trying(sat_model, "bfloat16", kernels=kernels, form=form):
+        if kernels:
+            assert model.config._attn_implementation == sdsat_attention.TILED
+            assert cpu_kernels.installed_plan(model).invariant
+        else:
+            assert sat_model.adapter.base_embedding.dtype == torch.bfloat16
         assert next(model.parameters()).dtype == torch.bfloat16
         assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())  # not rounded
     after = _state(sat_model)
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert before.keys() == after.keys()
+    assert all(before[k].dtype == after[k].dtype and torch.equal(before[k], after[k]) for k in before)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.config._attn_implementation == attention and cpu_kernels.installed_plan(model) is plan
 
 
