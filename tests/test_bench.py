@@ -644,3 +644,29 @@ def test_the_threads_table_divides_each_round_by_the_clis_same_round():
     lines = _table({"cli": cli, "http": http}).splitlines()
     row = next(line for line in lines if line.startswith("http"))
     assert row.split()[1:] == ["10.0", "(1.00×)", "10.0", "(0.50×)", "5.0", "(0.50×)", "10.0", "(0.50×)"]
+
+
+def test_a_png_export_that_fails_once_is_tried_again_and_a_lasting_failure_is_one_line(tmp_path, monkeypatch):
+    """kaleido's browser can be asked to render before its page's script has loaded on a busy machine."""
+    import plotly.graph_objects as go
+
+    from sdsat.bench import figures
+
+    calls = []
+
+    def flaky(fig, path, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            raise ValueError("Error 525: ReferenceError: kaleido_scopes is not defined")
+        Path(path).write_bytes(b"\x89PNG")
+
+    monkeypatch.setattr(go.Figure, "write_image", flaky)
+    figures._write_png(go.Figure(), tmp_path / "a.png")
+    assert len(calls) == 2 and (tmp_path / "a.png").exists()
+
+    def broken(fig, path, **kwargs):
+        raise ValueError("no browser\nmore")
+
+    monkeypatch.setattr(go.Figure, "write_image", broken)
+    with pytest.raises(figures.PngExportError, match=r"PNG export failed .*: no browser$"):
+        figures._write_png(go.Figure(), tmp_path / "b.png")

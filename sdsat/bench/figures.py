@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from .methods import AUTO, RECIPES, label_of
 from .stats import variant_key
 
+PNG_ATTEMPTS = 2  # a failed PNG export is tried once more (_write_png says why)
 _LAYOUT = dict(template="plotly_white", width=900, height=520, margin=dict(l=70, r=30, t=90, b=60))
 
 
@@ -127,10 +128,16 @@ def _write_png(fig: go.Figure, path: Path) -> None:
         import kaleido  # noqa: F401  (plotly finds it itself; imported here to fail with a clear message)
     except ImportError as err:
         raise PngExportError("PNG export needs kaleido: pip install kaleido") from err
-    try:
-        fig.write_image(path, scale=2)
-    except (RuntimeError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise PngExportError(f"PNG export failed (kaleido needs a Chrome or Chromium, e.g. `apt-get install "
-                             f"chromium`): {first}") from err
+    for attempt in range(PNG_ATTEMPTS):
+        try:
+            fig.write_image(path, scale=2)
+            return
+        except (RuntimeError, ValueError, OSError) as err:
+            # On a busy machine kaleido's browser page can be asked to render before its script has loaded
+            # ("kaleido_scopes is not defined"); a new browser then renders it.
+            if attempt + 1 < PNG_ATTEMPTS:
+                continue
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise PngExportError(f"PNG export failed (kaleido needs a Chrome or Chromium, e.g. `apt-get install "
+                                 f"chromium`): {first}") from err
 
