@@ -1,6 +1,7 @@
 """Does torch.compile pay on this machine? The default model's one-token pass, timed in turns:
 
-  eager routed    the products this machine's kernel plan routes (what the fastest vanilla decodes with)
+  eager routed    the products this machine's kernel plan routes (the fastest vanilla's form here, or within a
+                  few percent of it: the tuning names either it or the row-invariant keyed form)
   eager plain     nn.Linear products and SDPA attention, as transformers runs the model
   compiled plain  the plain form through torch.compile (inductor, dynamic shapes)
 
@@ -8,7 +9,8 @@
 
 Only the plain form is compiled: inductor cannot lower the routed products' oneDNN packed weights, and the
 plain form's products are not row-invariant, so SDSAT cannot decode in it (docs/results.md, "torch.compile").
-Where this machine has no kernel plan kept yet, the routed form measures one first (a minute or two).
+All three use transformers' DynamicCache, so the decoders' in-place cache helps none of them. Where this
+machine has no kernel plan kept yet, the routed form measures one first (a minute or two).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from transformers import DynamicCache
 
 from sdsat import tuning
 from sdsat.engine import Engine
-from sdsat.models import LoadConfig
 from sdsat.hardware import cpu_name
+from sdsat.models import LoadConfig
 
 FORMS = ("eager routed", "eager plain", "compiled plain")
 
