@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -268,6 +269,29 @@ def test_greedy_race_is_identical_and_stats_add_up(page):
     for i in range(1, s["iterations"] + 1):
         assert f"Iteration {i} of {s['iterations']}" in page.explore(record, i)
     assert page.step(record, s["iterations"], +1)[0] == s["iterations"]
+
+
+def test_a_race_in_progress_clears_the_last_race_and_sends_no_component_updates(page, monkeypatch):
+    """While a race runs, the last race's plots, explorer and record are gone; and after the first snapshot no
+    output is a component update (gr.skip() is one), which Gradio answers by building a component and its config
+    on the serving thread at every snapshot, taking the CPU from the decoder."""
+    from gradio.utils import is_prop_update
+
+    from sdsat.ui import handlers
+
+    monkeypatch.setattr(handlers, "race", functools.partial(race, every=0.01))  # a snapshot at nearly every step
+    outs = list(page.race(**(GOOD | dict(max_new_tokens=16)), show_rejected=False))
+    running = [dict(zip(RACE_OUTPUTS, out)) for out in outs[:-1]]
+    assert len(running) >= 2
+    for i, snap in enumerate(running):
+        assert snap["record"] is None and snap["run_data"] is None, i
+        assert all(snap[p] is None for p in ("race_plot", "accepted_plot", "position_plot", "pass_plot")), i
+        assert snap["explorer"] == handlers.RACING_EXPLORER
+        updates = [name for name, value in snap.items() if is_prop_update(value) or isinstance(value, gr.Slider)]
+        assert updates == (["explorer_slider"] if i == 0 else []), (i, updates)
+    assert running[0]["explorer_slider"].interactive is False
+    final = dict(zip(RACE_OUTPUTS, outs[-1]))
+    assert final["record"] is not None and final["run_data"]["identical"] is True
 
 
 def test_race_with_prompt_lookup_shows_copies_apart_and_stays_identical(page):

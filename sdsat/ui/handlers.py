@@ -44,6 +44,7 @@ RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "p
 # What `Page.model_controls` updates, in order (app.py lists its components in this order).
 MODEL_OUTPUTS = ("k", "lookup_tokens", "tree_candidates", "scheme", "auto_note", "chat", "chat_examples", "machine",
                  "machine_plot")
+RACING_EXPLORER = '<div class="explorer empty">The step explorer fills in when this race has finished.</div>'
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
 
 
@@ -276,6 +277,7 @@ class Page:
         special = set(getattr(engine.tokenizer, "all_special_ids", []) or [])
         cancel = threading.Event()
         snaps = race(engine, prompt_ids, request, self.limits.time_limit_s, cancel)
+        cleared = None  # the outputs a race in progress leaves empty (RACE_OUTPUTS[3:])
         try:
             for snap in snaps:
                 if snap.phase != "done":
@@ -283,7 +285,8 @@ class Page:
                                   if snap.phase == "vanilla" else
                                   sdsat_html(snap.steps["sdsat"], snap.pieces["sdsat"], special_ids=special))
                     yield (progress_html(snap), vanilla_html(snap.steps["vanilla"], snap.pieces["vanilla"], special),
-                           sdsat_pane, *[skip] * (len(RACE_OUTPUTS) - 3))
+                           sdsat_pane, *(cleared or racing_outputs(first=True)))
+                    cleared = racing_outputs(first=False)
                     continue
                 record = make_record(engine, request, prompt_ids, snap, measuring)
                 yield self.view(record, show_rejected)
@@ -373,6 +376,17 @@ class Page:
         if snap is None or snap.phase != "done":  # cancelled: the race stopped before its SDSAT phase
             raise gr.Error("The request was cancelled before both decoders ran.", title="Cancelled")
         return make_record(engine, request, prompt_ids, snap, measuring).to_dict()
+
+
+def racing_outputs(first: bool) -> tuple:
+    """RACE_OUTPUTS[3:] while a race runs: the last race's plots, explorer, record and data are cleared.
+
+    Plain values, not gr.skip(): Gradio builds a new component and its whole config for every skipped output
+    of every snapshot, on the thread that serves the page, and that work takes the CPU from the decoder. The
+    slider becomes inactive once, in the first snapshot; later ones only repeat its value, which sends nothing.
+    """
+    slider = gr.Slider(value=1, interactive=False) if first else 1
+    return (None, None, None, None, slider, RACING_EXPLORER, None, None)
 
 
 def auto_note_html(line: str) -> str:
