@@ -19,7 +19,7 @@ from sdsat.checkpoints import known_checkpoint
 from sdsat.decoding import MAX_TREE_CANDIDATES
 from sdsat.ui.benchmark import bench_page, short_machine
 from sdsat.ui.chat import Chat
-from sdsat.ui.events import calm_queue, close_direct_routes
+from sdsat.ui.events import calm_queue, close_direct_routes, postprocessed
 from sdsat.ui.examples import CHAT_EXAMPLES, EXAMPLE_LABELS, EXAMPLES
 from sdsat.ui.handlers import MODEL_OUTPUTS, RACE_INPUTS, RACE_OUTPUTS, Page
 from sdsat.ui.presets import CUSTOM, DEFAULT_SCHEME, FALLBACK, PAGE_SAMPLING, SCHEME_LABELS
@@ -249,9 +249,12 @@ with gr.Blocks(title="SDSAT: speculative decoding with semantic adaptive tokens"
     # /race's positional order is RACE_INPUTS (sdsat/ui/handlers.py): lookup and tree last, after show_rejected,
     # so that /race callers that send the earlier inputs keep working.
     # preprocess=False: the page's own parsing (sdsat/ui/settings.py) reads what clients send, not the components
-    race_event = run_btn.click(page.race_on_gpu, inputs=[race_inputs[n] for n in RACE_INPUTS],
-                               outputs=[outputs[n] for n in RACE_OUTPUTS], api_name="race",
-                               concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False)
+    # postprocess=False: the race's snapshots are postprocessed on its own thread (events.postprocessed)
+    race_outputs = [outputs[n] for n in RACE_OUTPUTS]
+    race_event = run_btn.click(postprocessed(page.race_on_gpu, race_outputs),
+                               inputs=[race_inputs[n] for n in RACE_INPUTS], outputs=race_outputs, api_name="race",
+                               concurrency_limit=limits.concurrency, concurrency_id="model", preprocess=False,
+                               postprocess=False)
     replay_btn.click(None, js=REPLAY_JS, api_visibility="private")  # plays in the browser: no server call
     stop_btn.click(None, cancels=[race_event], api_visibility="private")
     scheme.input(page.scheme_controls, [scheme, model, mode], [k, lookup, tree], api_visibility="private")

@@ -730,3 +730,38 @@ def test_chat_turns_render_with_colours_and_badges(page, default_engine):
     replies.close()
     shown, turns = chat.stopped(partial)
     assert len(turns) == 3 and turns[2].stopped and "stopped after" in shown[5]["content"]
+
+
+def test_a_postprocessed_handler_gives_what_gradio_would_and_closes_with_it():
+    """The race is wired with postprocess=False and postprocesses its own outputs (events.postprocessed): each
+    value as its component would make it, updates and states as they are, and Stop still reaches the handler."""
+    import inspect
+
+    import plotly.graph_objects as go
+
+    from sdsat.ui.events import postprocessed
+
+    closed = []
+    figure = go.Figure(go.Bar(x=[1, 2], y=[3, 4]))
+
+    def handler(prompt: str, k: int = 3):
+        try:
+            yield "<b>racing</b>", None, gr.skip(), None, "kept"
+            yield "<b>done</b>", figure, gr.Slider(value=1), {"speedup": 1.5, "ids": [1, 2]}, "kept"
+        finally:
+            closed.append(True)
+
+    outputs = [gr.HTML(render=False), gr.Plot(render=False), gr.Slider(render=False), gr.JSON(render=False),
+               gr.State()]
+    run = postprocessed(handler, outputs)
+    assert inspect.signature(run) == inspect.signature(handler)  # the API's parameter names
+    first, second = run("x")
+    assert first == ("<b>racing</b>", None, gr.skip(), None, "kept")
+    assert second[0] == "<b>done</b>" and isinstance(second[2], gr.Slider) and second[4] == "kept"
+    assert second[1] == outputs[1].postprocess(figure).model_dump() and second[1]["type"] == "plotly"
+    assert second[3] == {"speedup": 1.5, "ids": [1, 2]}
+    assert closed == [True]
+    stopped = run("x")
+    next(stopped)
+    stopped.close()  # Stop, or the visitor leaves
+    assert closed == [True, True]

@@ -9,7 +9,12 @@ number: they share one small concurrency group, and each is cheap (it renders a 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
 import gradio as gr
+from pydantic import BaseModel
+from gradio.utils import is_prop_update
 
 UI_GROUP = "ui"  # the concurrency group of the page's own events
 UI_CONCURRENCY = 4  # page events (a few milliseconds of rendering each) running at once, for all visitors
@@ -43,3 +48,28 @@ def calm_queue(demo: gr.Blocks, poll_s: float = QUEUE_POLL_S, progress_poll_s: f
     queue = demo._queue
     queue.sleep_when_free = max(queue.sleep_when_free, poll_s)
     queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, progress_poll_s)
+
+
+def postprocessed(handler: Callable[..., Iterator[tuple]], outputs: Sequence[gr.components.Component]):
+    """`handler`, a generator of output tuples, with each value already postprocessed by its component: wire it
+    with `postprocess=False`. Gradio would postprocess every output of every yield on a thread of its pool, one
+    hand-over per output, and a streamed race yields several times a second while it decodes. Here it is done
+    on the handler's own thread; updates (gr.skip(), a component) and states pass as they are, as Gradio treats
+    them. The signature stays the handler's (it names the API's parameters)."""
+    @functools.wraps(handler)
+    def run(*args, **kwargs):
+        outs = handler(*args, **kwargs)
+        try:
+            for values in outs:
+                yield tuple(_postprocessed(component, value) for component, value in zip(outputs, values, strict=True))
+        finally:
+            outs.close()  # Stop or a closed page: the handler's own clean-up runs now, as it would unwrapped
+
+    return run
+
+
+def _postprocessed(component: gr.components.Component, value):
+    if value is None or component.stateful or is_prop_update(value) or isinstance(value, gr.blocks.Block):
+        return value
+    value = component.postprocess(value)
+    return value.model_dump() if isinstance(value, BaseModel) else value  # PlotData, JsonData: what Gradio sends
