@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdsat.bench.threads import DEFAULT_PROMPT, _request, _wait_until_serving, free_port  # noqa: E402
+from sdsat.bench.threads import DEFAULT_PROMPT, free_port, request_for, wait_until_serving  # noqa: E402
 from sdsat.hardware import cpu_name  # noqa: E402
 from sdsat.planner import FALLBACK  # noqa: E402
 from sdsat.ui.handlers import RACE_INPUTS  # noqa: E402
@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                                env=os.environ | {"GRADIO_SERVER_PORT": str(port), "SDSAT_QUIET_WAIT_S": "0",
                                                  "SDSAT_MAX_NEW_TOKENS": str(args.max_new_tokens)})
         try:
-            _wait_until_serving(url, app, log)
+            wait_until_serving(url, app, log)
             client = Client(url, verbose=False)
-            inputs = _request(args.prompt, args.max_new_tokens)
+            inputs = request_for(args.prompt, args.max_new_tokens)
             probe = client.predict(**inputs, **FALLBACK, api_name="/generate")  # auto's plan here, and a warm-up
             plan = (probe.get("auto") or {}).get("plan") or {"settings": FALLBACK}
             request = inputs | {n: plan["settings"][n] for n in FALLBACK}

@@ -286,7 +286,7 @@ def test_a_race_in_progress_clears_the_last_race_and_sends_no_component_updates(
     for i, snap in enumerate(running):
         assert snap["record"] is None and snap["run_data"] is None, i
         assert all(snap[p] is None for p in ("race_plot", "accepted_plot", "position_plot", "pass_plot")), i
-        assert snap["explorer"] == handlers.RACING_EXPLORER
+        assert snap["explorer"] == explorer.RACING
         updates = [name for name, value in snap.items() if is_prop_update(value) or isinstance(value, gr.Slider)]
         assert updates == (["explorer_slider"] if i == 0 else []), (i, updates)
     assert running[0]["explorer_slider"].interactive is False
@@ -478,7 +478,8 @@ def test_page_events_parse_their_inputs_strictly(page):
         page.explore(None, "abc")
     with pytest.raises(gr.Error, match="iteration must be"):
         page.step(None, [1], +1)
-    assert page.step(None, 1, +1)[0] == 1
+    assert page.step(None, 1, +1) == (gr.skip(), gr.skip())  # no record: a race runs, or its record expired
+    assert page.sdsat_pane(None, True) == gr.skip()
     assert "Run a prompt" in page.explore(None, 7)  # a slider left from a race whose state has expired
 
 
@@ -765,3 +766,28 @@ def test_a_postprocessed_handler_gives_what_gradio_would_and_closes_with_it():
     next(stopped)
     stopped.close()  # Stop, or the visitor leaves
     assert closed == [True, True]
+
+
+def test_postprocessed_values_reach_the_page_as_gradio_would_send_them():
+    """The same raw values through Gradio's own postprocessing and through `postprocessed` with postprocess=False."""
+    import asyncio
+
+    import orjson
+    import plotly.graph_objects as go
+    from gradio.state_holder import SessionState
+
+    from sdsat.ui.events import postprocessed
+
+    with gr.Blocks() as demo:
+        outputs = [gr.HTML(), gr.Plot(), gr.Slider(1, 5), gr.JSON(), gr.State(), gr.HTML(), gr.Plot(), gr.JSON()]
+        button = gr.Button()
+        ours = button.click(lambda: None, None, outputs, postprocess=False)
+        gradios = button.click(lambda: None, None, outputs)
+    raw = ("<b>x</b>", go.Figure(go.Bar(x=[1], y=[2])), gr.Slider(value=2, interactive=False),
+           {"speedup": 1.5, "ids": [1, 2], "nan": float("nan")}, "kept", gr.skip(), None, None)
+    wrapped = next(postprocessed(lambda: (v for v in [raw]), outputs)())
+
+    def sent(event, values):  # as the page receives it: JSON, Gradio's models as their data
+        out = asyncio.run(demo.postprocess_data(demo.fns[event["id"]], list(values), SessionState(demo)))
+        return json.loads(orjson.dumps(out, default=lambda model: model.model_dump()))
+    assert sent(ours, wrapped) == sent(gradios, raw)

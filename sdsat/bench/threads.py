@@ -37,7 +37,8 @@ READY = "ready"  # a child place says it has loaded and warmed up
 DEFAULT_PROMPT = "def count_vowels(word):\n    count = 0\n"  # the page's first example
 
 
-def _request(prompt: str, max_new_tokens: int, chat: bool = False) -> dict:
+def request_for(prompt: str, max_new_tokens: int, chat: bool = False) -> dict:
+    """A greedy request of the default model, by the page's input names (auto's settings are added per place)."""
     from ..models import DEFAULT_MODEL
 
     return dict(prompt=prompt, model=DEFAULT_MODEL, chat=chat, mode="greedy", max_new_tokens=max_new_tokens,
@@ -55,7 +56,7 @@ def _decode_configs(engine, inputs: dict):
     return request.decode_config("vanilla"), request.decode_config("sdsat")
 
 
-def _wait_until_serving(url: str, app: subprocess.Popen, log, limit_s: float = 600) -> None:
+def wait_until_serving(url: str, app: subprocess.Popen, log, limit_s: float = 600) -> None:
     """Until `app` answers at `url`; raises with the end of its log if it exits or takes longer."""
     import time
     import urllib.request
@@ -98,7 +99,7 @@ def _over_http(inputs: dict) -> Iterator[Callable[[], dict]]:
                                env=os.environ | {"GRADIO_SERVER_PORT": str(port), "SDSAT_QUIET_WAIT_S": "0",
                                                  "SDSAT_MAX_NEW_TOKENS": str(inputs["max_new_tokens"])})
         try:
-            _wait_until_serving(url, app, log)
+            wait_until_serving(url, app, log)
             client = Client(url, verbose=False)
             probe = client.predict(**inputs, **FALLBACK, api_name="/generate")  # says auto's plan here
             plan = (probe.get("auto") or {}).get("plan") or {"settings": FALLBACK}
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_new_tokens", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    inputs = _request(args.prompt, args.max_new_tokens, args.chat)
+    inputs = request_for(args.prompt, args.max_new_tokens, args.chat)
     if args.place:
         _serve_place(args.place, inputs)
         return 0

@@ -13,8 +13,8 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import gradio as gr
-from pydantic import BaseModel
 from gradio.utils import is_prop_update
+from pydantic import BaseModel
 
 UI_GROUP = "ui"  # the concurrency group of the page's own events
 UI_CONCURRENCY = 4  # page events (a few milliseconds of rendering each) running at once, for all visitors
@@ -55,7 +55,12 @@ def postprocessed(handler: Callable[..., Iterator[tuple]], outputs: Sequence[gr.
     with `postprocess=False`. Gradio would postprocess every output of every yield on a thread of its pool, one
     hand-over per output, and a streamed race yields several times a second while it decodes. Here it is done
     on the handler's own thread; updates (gr.skip(), a component) and states pass as they are, as Gradio treats
-    them. The signature stays the handler's (it names the API's parameters)."""
+    them. The components are the page's own, not a session's copy: for outputs no event updates in place (the
+    race's) the two are the same. The signature stays the handler's (it names the API's parameters).
+
+    The handler wrapped is `zerogpu.gpu`'s where it books a GPU. With `SPACES_GRADIO_AUTO_WRAP` set (opt-in),
+    `spaces` may wrap this wrapper again, for its own default duration.
+    """
     @functools.wraps(handler)
     def run(*args, **kwargs):
         outs = handler(*args, **kwargs)
@@ -69,7 +74,7 @@ def postprocessed(handler: Callable[..., Iterator[tuple]], outputs: Sequence[gr.
 
 
 def _postprocessed(component: gr.components.Component, value):
-    if value is None or component.stateful or is_prop_update(value) or isinstance(value, gr.blocks.Block):
+    if component.stateful or is_prop_update(value) or isinstance(value, gr.blocks.Block):
         return value
     value = component.postprocess(value)
     return value.model_dump() if isinstance(value, BaseModel) else value  # PlotData, JsonData: what Gradio sends

@@ -75,6 +75,9 @@ class _View:
         self.bonus = step.tokens[-1] if step.sources and step.sources[-1] == "bonus" else None
 
 
+RACING = '<div class="explorer empty">The step explorer fills in when a race finishes.</div>'  # while one runs
+
+
 def explorer_html(record: RaceRecord | None, index: int) -> str:
     """HTML for iteration `index` (0-based) of the record's SDSAT run."""
     if record is None or not record.sdsat.steps:

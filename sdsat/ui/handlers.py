@@ -44,7 +44,6 @@ RACE_OUTPUTS = ("headline", "vanilla", "sdsat", "race_plot", "accepted_plot", "p
 # What `Page.model_controls` updates, in order (app.py lists its components in this order).
 MODEL_OUTPUTS = ("k", "lookup_tokens", "tree_candidates", "scheme", "auto_note", "chat", "chat_examples", "machine",
                  "machine_plot")
-RACING_EXPLORER = '<div class="explorer empty">The step explorer fills in when this race has finished.</div>'
 SERVER_ERROR = "The server could not complete this request; the error is in its log. Other settings may work."
 
 
@@ -313,10 +312,10 @@ class Page:
         )
 
     @visitor_errors
-    def sdsat_pane(self, record: RaceRecord | None, show_rejected: bool) -> str:
+    def sdsat_pane(self, record: RaceRecord | None, show_rejected: bool):
         show_rejected = _checked(check_flag, "show rejected drafts", show_rejected)
-        if record is None:
-            return waiting_html("Run a prompt to see the SDSAT output here.")
+        if record is None:  # a race runs (or ran and was stopped, or its record expired): its pane stays as it is
+            return gr.skip()
         return sdsat_html(record.sdsat.steps, record.pieces["sdsat"], record.vocab, show_rejected,
                           record.special_ids)
 
@@ -330,9 +329,12 @@ class Page:
     @staticmethod
     @visitor_errors
     def step(record: RaceRecord | None, iteration, delta: int) -> tuple:
-        """Move the explorer by `delta` iterations: (slider value, explorer HTML)."""
+        """Move the explorer by `delta` iterations: (slider value, explorer HTML); nothing moves without a record
+        (a race runs, or ran and was stopped, or its record expired)."""
         n = _iterations(record)
         i = max(1, min(_checked(check_iteration, iteration) + delta, n))
+        if record is None:
+            return gr.skip(), gr.skip()
         return i, explorer.explorer_html(record, i - 1)
 
     # -- API -------------------------------------------------------------------------------------
@@ -386,7 +388,7 @@ def racing_outputs(first: bool) -> tuple:
     slider becomes inactive once, in the first snapshot; later ones only repeat its value, which sends nothing.
     """
     slider = gr.Slider(value=1, interactive=False) if first else 1
-    return (None, None, None, None, slider, RACING_EXPLORER, None, None)
+    return (None, None, None, None, slider, explorer.RACING, None, None)
 
 
 def auto_note_html(line: str) -> str:
