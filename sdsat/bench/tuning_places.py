@@ -68,17 +68,20 @@ def _measure_by_app(cache: Path, limit_s: float = 1800) -> None:
             app.wait(timeout=60)
 
 
-def one_token_costs(cache: Path) -> dict[str, float]:
-    """'precision form' -> seconds per one-token pass, from a cache's tuning file."""
+def one_token_costs(cache: Path) -> tuple[dict[str, float], list[str]]:
+    """('precision form' -> seconds per one-token pass, the precisions whose kept run was measured under load),
+    from a cache's tuning file."""
     from ..tuning import _Measured
 
-    costs = {}
+    costs, noisy = {}, []
     for entry in json.loads(_tuning_file(cache).read_text()).values():
         measured = _Measured.from_dict(entry)
         dtype = measured.curve.dtype
         costs[f"{dtype} {measured.form}"] = measured.curve.one_token_s
         costs |= {f"{dtype} {form}": seconds for form, seconds in measured.others_s.items()}
-    return costs
+        if measured.noisy:
+            noisy.append(str(dtype))
+    return costs, noisy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             for place in PLACES if round_ % 2 == 0 else reversed(PLACES):
                 cache = _fresh_cache(Path(root) / f"{place}-{round_}")
                 (_measure_by_cli if place == "cli" else _measure_by_app)(cache)
-                runs[place].append(one_token_costs(cache))
-                print(f"round {round_ + 1}, {place}: " + ", ".join(f"{form} {s * 1e3:.1f} ms"
-                                                                  for form, s in runs[place][-1].items()),
-                      file=sys.stderr, flush=True)
+                costs, noisy = one_token_costs(cache)
+                runs[place].append(costs)
+                line = ", ".join(f"{form} {s * 1e3:.1f} ms" for form, s in costs.items())
+                load = f" (kept under load: {', '.join(noisy)})" if noisy else ""
+                print(f"round {round_ + 1}, {place}: {line}{load}", file=sys.stderr, flush=True)
     print(f"machine: {cpu_name()}; {args.rounds} rounds, each place from an empty cache")
     print(f"{'precision, form':<36}{'CLI ms':>9}{'page ms':>9}{'page ÷ CLI':>12}   per round")
     for form in runs["cli"][0]:
