@@ -2,6 +2,7 @@
 (as `python -m sdsat tune` measures) and on the compute thread (as the page's start-up does):
 
     python scripts/pass_by_thread.py --rounds 8
+    python scripts/pass_by_thread.py --rounds 8 --imports pandas --import-in main   # what an import does
 
 Each place is a process of its own, kept for the whole run (two places in one process would give libgomp two
 pools, docs/architecture.md "One compute thread"); the places take turns, round by round, and the table gives
@@ -24,9 +25,14 @@ PLACES = ("main", "compute")
 READY = "ready"
 
 
-def _serve(place: str, steps: int) -> None:
+def _serve(place: str, steps: int, imports: list[str]) -> None:
     """A child's loop: one round of timings, as a JSON line, for every line its parent writes."""
+    import importlib
+
     import torch
+
+    for module in imports:  # before the models load, as a served app has imported gradio by then
+        importlib.import_module(module)
 
     from sdsat import tuning
     from sdsat.compute import compute_thread
@@ -58,15 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="timed passes per form and round (default 20)")
+    parser.add_argument("--imports", nargs="+", default=[], metavar="MODULE",
+                        help="modules one place imports first (with --import-in), e.g. gradio or pandas")
+    parser.add_argument("--import-in", choices=PLACES, help="the place that imports --imports")
     parser.add_argument("--place", choices=PLACES, help=argparse.SUPPRESS)  # a child's own place
     args = parser.parse_args(argv)
     if args.place:
-        _serve(args.place, args.steps)
+        _serve(args.place, args.steps, args.imports)
         return 0
+    if args.imports and not args.import_in:
+        parser.error("--imports needs --import-in main or compute")
     from sdsat.hardware import cpu_name
 
-    children = {p: subprocess.Popen([sys.executable, __file__, "--place", p, "--steps", str(args.steps)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for p in PLACES}
+    def command(place: str) -> list[str]:
+        imports = ["--imports", *args.imports] if place == args.import_in else []
+        return [sys.executable, __file__, "--place", place, "--steps", str(args.steps), *imports]
+
+    children = {p: subprocess.Popen(command(p), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for p in PLACES}
     try:
         for child in children.values():
             while child.stdout.readline().strip() != READY:
@@ -84,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         for child in children.values():
             child.kill()
             child.wait()
-    print(f"machine: {cpu_name()}; bfloat16, one-token pass behind 256 tokens, {args.rounds} rounds in turns")
+    print(f"machine: {cpu_name()}; bfloat16, one-token pass behind 256 tokens, {args.rounds} rounds in turns"
+          + (f"; {args.import_in} imported {', '.join(args.imports)}" if args.imports else ""))
     print(f"{'form':<24}{'main ms':>9}{'compute ms':>12}{'compute ÷ main':>16}")
     for form in FORMS:
         main_ms = statistics.median(r[form] for r in times["main"])
