@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdsat.bench.threads import DEFAULT_PROMPT, free_port, request_for, wait_until_serving  # noqa: E402
+from sdsat.bench.threads import DEFAULT_PROMPT, race_inputs, request_for, served_app  # noqa: E402
 from sdsat.hardware import cpu_name  # noqa: E402
-from sdsat.planner import FALLBACK  # noqa: E402
-from sdsat.ui.handlers import RACE_INPUTS  # noqa: E402
 
 POLL_S = 0.25
 BUSY = 0.8  # the busiest thread's share of an interval that makes it a decoding interval
@@ -85,39 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", choices=("race", "generate"), nargs="+", default=["race", "generate"])
     args = parser.parse_args(argv)
 
-    from gradio_client import Client
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    root = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryFile("w+") as log:
-        app = subprocess.Popen([sys.executable, "app.py"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
-                               env=os.environ | {"GRADIO_SERVER_PORT": str(port), "SDSAT_QUIET_WAIT_S": "0",
-                                                 "SDSAT_MAX_NEW_TOKENS": str(args.max_new_tokens)})
-        try:
-            wait_until_serving(url, app, log)
-            client = Client(url, verbose=False)
-            inputs = request_for(args.prompt, args.max_new_tokens)
-            probe = client.predict(**inputs, **FALLBACK, api_name="/generate")  # auto's plan here, and a warm-up
-            plan = (probe.get("auto") or {}).get("plan") or {"settings": FALLBACK}
-            request = inputs | {n: plan["settings"][n] for n in FALLBACK}
-            race_inputs = [(request | {"show_rejected": False})[n] for n in RACE_INPUTS]
-            client.predict(*race_inputs, api_name="/race")
-            print(f"machine: {cpu_name()}; {args.calls} calls each, {args.max_new_tokens} new tokens")
-            for endpoint in args.endpoint:
-                speeds = []
-                with Sampler(app.pid) as sampler:
-                    for _ in range(args.calls):
-                        out = (client.predict(*race_inputs, api_name="/race")[-1] if endpoint == "race" else
-                               client.predict(**request, api_name="/generate"))
-                        speeds.append(f"{out['vanilla']['tokens_per_second']:.1f}/{out['sdsat']['tokens_per_second']:.1f}")
-                shares = sampler.shares()
-                print(f"/{endpoint}: tokens/s vanilla/SDSAT {', '.join(speeds)}; {sampler.seconds:.1f} s decoding")
-                print(f"  the two busiest threads {', '.join(f'{s:.1%}' for s in shares[:2])} of a core; "
-                      f"all others {sum(shares[2:]):.1%} (largest {', '.join(f'{s:.1%}' for s in shares[2:5])})")
-        finally:
-            app.terminate()
-            app.wait(timeout=60)
+    with served_app(request_for(args.prompt, args.max_new_tokens)) as (app, client, request):
+        race = race_inputs(request)
+        client.predict(*race, api_name="/race")
+        print(f"machine: {cpu_name()}; {args.calls} calls each, {args.max_new_tokens} new tokens")
+        for endpoint in args.endpoint:
+            speeds = []
+            with Sampler(app.pid) as sampler:
+                for _ in range(args.calls):
+                    out = (client.predict(*race, api_name="/race")[-1] if endpoint == "race" else
+                           client.predict(**request, api_name="/generate"))
+                    speeds.append(f"{out['vanilla']['tokens_per_second']:.1f}/{out['sdsat']['tokens_per_second']:.1f}")
+            shares = sampler.shares()
+            print(f"/{endpoint}: tokens/s vanilla/SDSAT {', '.join(speeds)}; {sampler.seconds:.1f} s decoding")
+            print(f"  the two busiest threads {', '.join(f'{s:.1%}' for s in shares[:2])} of a core; "
+                  f"all others {sum(shares[2:]):.1%} (largest {', '.join(f'{s:.1%}' for s in shares[2:5])})")
     return 0
 
 

@@ -83,13 +83,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _over_http(inputs: dict) -> Iterator[Callable[[], dict]]:
-    """One round's decodes by /generate, /race and /chat of a real `python app.py`, through gradio_client."""
+def served_app(inputs: dict) -> Iterator[tuple[subprocess.Popen, object, dict]]:
+    """A real `python app.py` on a free local port: (its process, a gradio_client Client, `inputs` with auto's
+    settings there), after one /generate call that asks auto's plan and warms the server up."""
     import tempfile
 
     from gradio_client import Client
 
-    from ..ui.handlers import RACE_INPUTS
     from ..planner import FALLBACK
 
     port = free_port()
@@ -103,23 +103,34 @@ def _over_http(inputs: dict) -> Iterator[Callable[[], dict]]:
             client = Client(url, verbose=False)
             probe = client.predict(**inputs, **FALLBACK, api_name="/generate")  # says auto's plan here
             plan = (probe.get("auto") or {}).get("plan") or {"settings": FALLBACK}
-            request = inputs | {n: plan["settings"][n] for n in FALLBACK}
-
-            def run_one() -> dict:
-                out = client.predict(**request, api_name="/generate")
-                race_in = request | {"show_rejected": False}
-                race_out = client.predict(*[race_in[n] for n in RACE_INPUTS], api_name="/race")[-1]  # run_data
-                chat = client.predict(message=inputs["prompt"], history=[], **{
-                    n: v for n, v in request.items() if n not in ("prompt", "chat")}, api_name="/chat")
-                return {"vanilla": out["vanilla"]["tokens_per_second"], "sdsat": out["sdsat"]["tokens_per_second"],
-                        "chat sdsat": chat["sdsat"]["tokens_per_second"],
-                        "race vanilla": race_out["vanilla"]["tokens_per_second"],
-                        "race sdsat": race_out["sdsat"]["tokens_per_second"]}
-            run_one()  # warm-up
-            yield run_one
+            yield app, client, inputs | {n: plan["settings"][n] for n in FALLBACK}
         finally:
             app.terminate()
             app.wait(timeout=60)
+
+
+def race_inputs(request: dict) -> list:
+    """/race's positional inputs for a /generate request."""
+    from ..ui.handlers import RACE_INPUTS
+
+    return [(request | {"show_rejected": False})[n] for n in RACE_INPUTS]
+
+
+@contextlib.contextmanager
+def _over_http(inputs: dict) -> Iterator[Callable[[], dict]]:
+    """One round's decodes by /generate, /race and /chat of a real `python app.py`, through gradio_client."""
+    with served_app(inputs) as (_, client, request):
+        def run_one() -> dict:
+            out = client.predict(**request, api_name="/generate")
+            race_out = client.predict(*race_inputs(request), api_name="/race")[-1]  # run_data
+            chat = client.predict(message=inputs["prompt"], history=[], **{
+                n: v for n, v in request.items() if n not in ("prompt", "chat")}, api_name="/chat")
+            return {"vanilla": out["vanilla"]["tokens_per_second"], "sdsat": out["sdsat"]["tokens_per_second"],
+                    "chat sdsat": chat["sdsat"]["tokens_per_second"],
+                    "race vanilla": race_out["vanilla"]["tokens_per_second"],
+                    "race sdsat": race_out["sdsat"]["tokens_per_second"]}
+        run_one()  # warm-up
+        yield run_one
 
 
 def _place(place: str, inputs: dict) -> Callable[[], dict]:
