@@ -104,7 +104,20 @@ class Engine:
     def _tune(self, remeasure: str, on_step=None) -> Tuning | None:
         return tune(self.sat_model, self.name, fixed_dtype=self.load_config.dtype != "auto",
                     kernels=self.load_config.cpu_kernels, cache_file=cache_dir() / TUNING_FILE, remeasure=remeasure,
-                    on_step=on_step, requests_begun=lambda: self.activity.begun)
+                    on_step=on_step, requests_begun=lambda: self.activity.begun, warm_up=self._warm_up_to_measure)
+
+    def _warm_up_to_measure(self) -> None:
+        if self.tuning is None:
+            fallback_form(self.sat_model, self.load_config.cpu_kernels)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """A few tokens of each decoder, so what is timed next (a visitor's race, a tuning) does not time
+        allocator and kernel warm-up."""
+        log.info("warming up %s: 6 tokens of each decoder", self.name)
+        ids = self.encode("def add(a, b):")
+        for method in ("vanilla", "sdsat"):
+            collect(self.stream(ids, DecodeConfig(method=method, k=min(4, self.max_k), max_new_tokens=6)))
 
     @property
     def can_twin(self) -> bool:

@@ -161,7 +161,7 @@ def fallback_form(sat_model, kernels: bool = True) -> str:
     kernels (the form that needs no row check: the tiled attention is checked per machine), else as
     loaded. Returns the form."""
     precision = dtype_name(sat_model.model)
-    if _invariant_forms(sat_model, precision, kernels):
+    if _invariant_forms(sat_model, precision, kernels) and not in_form(sat_model, precision, kernels, PER_ROW):
         set_precision(sat_model, precision, kernels, PER_ROW)
     return form_of(sat_model.model)
 
@@ -410,7 +410,8 @@ REMEASURE = ("never", "missing", "noisy", "all")
 def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = True,
          cache_file: Path | None = None, remeasure: str = "missing",
          on_step: Callable[[TuneProgress], None] | None = None,
-         requests_begun: Callable[[], int] | None = None) -> Tuning | None:
+         requests_begun: Callable[[], int] | None = None,
+         warm_up: Callable[[], None] | None = None) -> Tuning | None:
     """Measure every precision worth trying (or read it from `cache_file`), plan, and leave the model in the
     chosen precision and form.
 
@@ -423,6 +424,9 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     on_step: told before each measurement step (`TuneProgress`), and may wait there (for requests to finish).
     requests_begun: a count of requests begun (the app's); one begun during a step marks its precision's
     measurement noisy, as load from elsewhere would.
+    warm_up: run once before the first measurement, when anything is measured: a process that has not decoded
+    yet times its passes slower than one that has (docs/results.md, "The tuning behind the page"), and the
+    page's start-up has decoded by then, the command line's not.
 
     Precisions are measured one after the other, so a spell of load from elsewhere (a neighbour on a shared
     host) can slow one precision's passes and not another's, and tip the choice. When a curve comes out
@@ -449,6 +453,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh) + REVISIT_ROUNDS * len(fresh),
                    on_step, requests_begun)
     with cpu_kernels.reusing_packs(model):  # the forms come and go: their weights are not packed again
+        if fresh and warm_up is not None:
+            warm_up()
         for round_ in range(MEASURE_ROUNDS):
             for precision in fresh if round_ % 2 == 0 else fresh[::-1]:
                 steps.overlapped = False

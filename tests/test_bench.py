@@ -588,6 +588,7 @@ def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(t
         return stream(self, prompt_ids, config, should_stop)
 
     monkeypatch.setattr(Engine, "stream", spy)
+    monkeypatch.setattr(Engine, "warm_up", lambda self: None)  # the tuning's own decodes are not the run's
     out = tmp_path / "out"
     threads = torch.get_num_threads()
     try:
@@ -644,6 +645,22 @@ def test_the_threads_table_divides_each_round_by_the_clis_same_round():
     lines = _table({"cli": cli, "http": http}).splitlines()
     row = next(line for line in lines if line.startswith("http"))
     assert row.split()[1:] == ["10.0", "(1.00×)", "10.0", "(0.50×)", "5.0", "(0.50×)", "10.0", "(0.50×)"]
+
+
+def test_the_tuning_places_table_divides_each_round_by_the_first_places_same_round():
+    """Each place's ratio to the first place is the median of per-round ratios, per form; a form one run
+    lacks (a precision with no row-invariant form there) is left out rather than half-compared."""
+    from sdsat.bench.tuning_places import _table
+
+    cli = [{"bfloat16 keyed": s, "float32 routed": 0.040} for s in (0.040, 0.060, 0.050)]
+    twin = [{"bfloat16 keyed": s, "float32 routed": 0.040} for s in (0.036, 0.060, 0.055)]
+    cold = [{"bfloat16 keyed": s} for s in (0.044, 0.066, 0.050)]
+    lines = _table({"cli": cli, "twin": twin, "cold": cold}).splitlines()
+    assert "twin ÷ cli" in lines[0] and "cold ÷ cli" in lines[0]
+    keyed = next(line for line in lines if line.startswith("bfloat16 keyed")).split()
+    assert keyed[2:5] == ["50.0", "55.0", "50.0"]  # ms, the median of each place's rounds
+    assert keyed[5:9] == ["1.00", "0.90", "1.00", "1.10"] and keyed[9:13] == ["1.10", "1.10", "1.10", "1.00"]
+    assert not any(line.startswith("float32 routed") for line in lines)
 
 
 def test_a_png_export_that_fails_once_is_tried_again_and_a_lasting_failure_is_one_line(tmp_path, monkeypatch):

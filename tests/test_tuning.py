@@ -143,6 +143,38 @@ def test_without_a_trace_auto_keeps_the_given_settings():
     assert set(result.curves) == set(tuning.CPU_PRECISIONS)
 
 
+def test_a_tuning_warms_up_once_before_its_first_measurement_and_not_when_the_disk_answers(monkeypatch, tmp_path):
+    """A process that has not decoded yet times its passes slower: `python -m sdsat tune` measured the same
+    machine slower than the page's start-up, which had decoded before it measured (docs/results.md)."""
+    sat_model = make_sat_model("vocab")
+    events = []
+    measure = tuning._measure
+    monkeypatch.setattr(tuning, "_measure", lambda *a, **kw: events.append("measure") or measure(*a, **kw))
+    cache = tmp_path / "tuning.json"
+    tuning.tune(sat_model, "tiny", cache_file=cache, warm_up=lambda: events.append("warm-up"))
+    assert events[0] == "warm-up" and events.count("warm-up") == 1 and "measure" in events
+    events.clear()
+    tuning.tune(sat_model, "tiny", cache_file=cache, warm_up=lambda: events.append("warm-up"))
+    assert events == []
+
+
+def test_an_engine_warms_up_in_its_fallback_form_before_it_measures(default_engine, monkeypatch):
+    """Engine.tune (the command line's, and the page's on its second copy) decodes in the form the model decodes
+    in before a tuning exists, and only then measures."""
+    forms = []
+    monkeypatch.setattr(type(default_engine), "warm_up", lambda engine: forms.append(tuning.form_of(engine.model)))
+    monkeypatch.setattr("sdsat.engine.tune", lambda *a, warm_up, **kw: warm_up())
+    kept = default_engine.tuning
+    default_engine.tuning = None
+    try:
+        default_engine._tune("all")
+    finally:  # other tests share this engine as loaded
+        tuning.set_precision(default_engine.sat_model, "float32", form=tuning.ROUTED)
+        default_engine.tuning = kept
+    invariant = tuning._invariant_forms(default_engine.sat_model, "float32", default_engine.load_config.cpu_kernels)
+    assert forms == [tuning.PER_ROW if invariant else tuning.ROUTED]
+
+
 def _attend(function, query, key, value, seen):
     return function(None, query, key, value, None if seen is None else seen[None, None], 0.125)[0]
 

@@ -11,7 +11,6 @@ import time
 
 from .. import hardware
 from ..compute import ComputeStopped, compute_thread
-from ..decoding import DecodeConfig, collect
 from ..engine import Activity, Engine
 from ..errors import first_line
 from ..models import LoadConfig, ModelLoadError
@@ -82,7 +81,7 @@ class EngineCache:
             engine.activity = self.activity
             if warm_up:
                 self._settle(engine)
-                _warm_up(engine)
+                engine.warm_up()
         except Exception as err:  # whatever breaks a load, the server keeps serving and says why
             error = err if isinstance(err, ModelLoadError) else ModelLoadError(
                 f"cannot load model {name!r}: {type(err).__name__}: {first_line(err)}")
@@ -144,7 +143,7 @@ class EngineCache:
                 engine.activity.wait_idle()
                 twin = compute.run(engine.twin)
                 compute.run(twin.tune, remeasure, on_step=between_requests)
-                compute.run(_warm_up, twin)
+                compute.run(twin.warm_up)
                 with self._locks[engine.name]:  # unless the engine was replaced or its load failed meanwhile
                     if self._engines.get(engine.name) is engine:
                         self._engines[engine.name] = twin
@@ -168,14 +167,6 @@ def _wait_quiet(engine: Engine, limit_s: float, every_s: float = 10.0) -> bool:
             return True
         time.sleep(every_s)
     return False
-
-
-def _warm_up(engine: Engine) -> None:
-    """A few tokens of each decoder, so the first visitor's race does not time allocator warm-up."""
-    log.info("warming up %s: 6 tokens of each decoder", engine.name)
-    ids = engine.encode("def add(a, b):")
-    for method in ("vanilla", "sdsat"):
-        collect(engine.stream(ids, DecodeConfig(method=method, k=min(4, engine.max_k), max_new_tokens=6)))
 
 
 def max_context(engine: Engine) -> int | None:
