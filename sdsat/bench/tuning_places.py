@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 from .. import ASSETS
-from ..default_model import cache_dir
 from ..hardware import cpu_name
 from .threads import free_port
 
@@ -64,7 +63,6 @@ def _tune_as(place: str) -> None:
     """A child's tuning, in the page's sequence (`twin`) or with no decode before it (`cold`)."""
     from ..engine import Engine
     from ..models import LoadConfig
-    from ..tuning import tune
 
     engine = Engine.load(LoadConfig(measure_kernels=False))
     if place == "twin":
@@ -72,8 +70,8 @@ def _tune_as(place: str) -> None:
         engine.warm_up()
         engine.twin().tune()
     else:
-        tune(engine.sat_model, engine.name, fixed_dtype=engine.load_config.dtype != "auto",
-             kernels=engine.load_config.cpu_kernels, cache_file=_tuning_file(cache_dir()))
+        engine._warm_up_to_measure = lambda: None  # the CLI's tuning as it was: no decode before it measures
+        engine.tune()
 
 
 def _measure_by_app(cache: Path, limit_s: float = 1800) -> None:
