@@ -305,7 +305,10 @@ def keyed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     for tile in layout.tiles:
         n, padded = tile.last - tile.first, tile.keys
         q = query[0, :, tile.first:tile.last].reshape(kv_heads, group * n, dim)
-        o = _attend_half(q, key[:, :padded], value[:, :padded], _tile_mask(tile, group, query.device), scaling)
+        # the scores' product reads its keys dense: over a view of the cache's room it takes a slower path
+        # (the same bits) that costs more than the copy
+        o = _attend_half(q, key[:, :padded].contiguous(), value[:, :padded], _tile_mask(tile, group, query.device),
+                         scaling)
         out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(
             o.view(kv_heads, group, n, dim).permute(2, 0, 1, 3))
     for nodes in layout.gathered:  # batch index: key head, then row, as _gathered_mask has it
