@@ -5,11 +5,13 @@ a token it cannot see, and SAT j guesses without drafts 1..j-1. The head closes 
 rescores SAT j's own top-K candidates given the token before the draft (t for draft 1, draft j-1 after
 that), prev:
 
-    score_c = z_j[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + u_j . E_out[c]    for c in top-K(z_j)
+    score_c = z_j[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + x_j log(1 + n(prev2, prev, c))
+              + u_j . E_out[c]    for c in top-K(z_j)
     u_j     = MLP(h_j, E_in[prev], j)          z_j: the SAT's own logits, h_j: its final hidden state (after the norm)
 
 P(c | prev) is a bigram table counted over code and prose on the machine, n(prev, c) how often prev was
-followed by c earlier in this text (the prompt and what was decoded); each term is optional. The shipped
+followed by c earlier in this text (the prompt and what was decoded), n(prev2, prev, c) how often the two
+tokens before the draft were; each term is optional. The shipped
 head has the two table terms and no MLP (its record, sampler_head_record.json, says why). u_j shifts h_j,
 so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per draft,
 sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
@@ -47,17 +49,19 @@ class HeadConfig:
     candidates: int = 16  # K: each SAT's top-K candidates are rescored; the others get no mass
     vocab_size: int = 0  # V of the bigram table (0: no bigram term)
     context: bool = False  # also v_j log(1 + how often prev was followed by c earlier in this text)
+    context3: bool = False  # also x_j log(1 + how often the two tokens before the draft were followed by c earlier)
 
 
 class SamplerHead(nn.Module):
     """Scores of SAT j's K candidates c given the token before the draft:
 
-        z[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + u . E_out[c],
+        z[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + x_j log(1 + n(prev2, prev, c)) + u . E_out[c],
         u = MLP([norm(h_j), norm(E_in[prev])] + bias of j)
 
     P(c | prev) comes from a bigram table counted over text on the machine (`bigram_keys` prev * V + c, sorted,
     their counts, and each prev's total), read at the K candidates only; n(prev, c) from the text itself
-    (`seen_after`); w_j and v_j are learned per SAT position.
+    (`seen_after`), n(prev2, prev, c) likewise for the two tokens before the draft; w_j, v_j and x_j are learned
+    per SAT position.
     """
 
     def __init__(self, config: HeadConfig):
@@ -66,6 +70,7 @@ class SamplerHead(nn.Module):
         hidden, width = config.hidden_size, config.width
         self.pair_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) w_j
         self.context_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) v_j
+        self.context3_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) x_j
         self.register_buffer("bigram_keys", torch.zeros(0, dtype=torch.long))  # (P,) sorted
         self.register_buffer("bigram_counts", torch.zeros(0))  # (P,)
         self.register_buffer("prev_counts", torch.zeros(config.vocab_size))  # (V,)
@@ -108,7 +113,8 @@ class SamplerHead(nn.Module):
 
     def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
                cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor,
-               seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               seen: torch.Tensor | None = None, seen3: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """The K candidates' scores (N, K) float32 and the correction u (N, H).
 
         Args:
@@ -116,7 +122,7 @@ class SamplerHead(nn.Module):
             cand: (N, K) each SAT's top candidates; cand_logits: (N, K) their SAT logits z.
             embed_in / embed_out: (V, H) the model's input and output embeddings.
             seen: (N, K) how often prev was followed by each candidate earlier in the text (`seen_after`); needed
-                when the head reads the context.
+                when the head reads the context. seen3: the same for the two tokens before the draft (order 3).
         """
         slot = slot.clamp(max=self.config.num_sats - 1)  # later SATs than trained share the last position's weights
         dtype = self.pair_weight.dtype
@@ -126,6 +132,10 @@ class SamplerHead(nn.Module):
             if seen is None:
                 raise ValueError("this sampler head reads the context: pass `seen` (seen_after)")
             scores = scores + self.context_weight[slot, None].float() * torch.log1p(seen.float())
+        if self.config.context3:
+            if seen3 is None:
+                raise ValueError("this sampler head reads the context's triples: pass `seen3` (seen_after, order 3)")
+            scores = scores + self.context3_weight[slot, None].float() * torch.log1p(seen3.float())
         if self.config.width:
             scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
         return scores, u
@@ -145,7 +155,8 @@ class SamplerHead(nn.Module):
         """
         cand_logits, cand = z.float().topk(self.config.candidates, dim=-1)  # (N, K) each
         seen = seen_after(history, ends, cand) if self.config.context else None
-        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out, seen)
+        seen3 = seen_after(history, ends, cand, order=3) if self.config.context3 else None
+        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out, seen, seen3)
         return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
 
     def save(self, folder: str | Path) -> None:
@@ -167,7 +178,8 @@ class SamplerHead(nn.Module):
         head = cls(config)
         if "bigram_keys" in tensors:
             head.set_bigrams(tensors)
-        tensors.setdefault("context_weight", torch.zeros(config.num_sats))  # saved before the context term
+        for name in ("context_weight", "context3_weight"):  # saved before these terms existed
+            tensors.setdefault(name, torch.zeros(config.num_sats))
         try:
             head.load_state_dict(tensors)
         except RuntimeError as err:
@@ -182,12 +194,16 @@ def head_beside(adapter_folder: str | Path | None) -> SamplerHead | None:
     return SamplerHead.load(adapter_folder)
 
 
-def seen_after(history: torch.Tensor, ends: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """(T,) tokens, (N,) positions in them, (N, K) candidates -> (N, K) how often the token at each row's position
-    was followed by each candidate before it: pairs (history[i], history[i + 1]) with i + 1 <= the row's position."""
-    before = torch.arange(len(history) - 1, device=history.device)[None] < ends[:, None]  # (N, T - 1)
-    prev = history[ends]  # (N,)
-    after = (history[:-1][None] == prev[:, None]) & before  # (N, T - 1): where prev stood earlier
+def seen_after(history: torch.Tensor, ends: torch.Tensor, cand: torch.Tensor, order: int = 2) -> torch.Tensor:
+    """(T,) tokens, (N,) positions in them, (N, K) candidates -> (N, K) how often the `order` - 1 tokens ending at
+    each row's position were followed by each candidate before it: for order 2, pairs (history[i], history[i + 1])
+    with history[i] the row's token and i + 1 <= the row's position; for order 3, the token before must match too."""
+    i = torch.arange(len(history) - 1, device=history.device)  # where the matched tokens end; i + 1 follows
+    after = i[None] < ends[:, None]  # (N, T - 1)
+    for back in range(order - 1):  # history[i - back] == history[end - back], both inside the text
+        here, there = i - back, ends - back
+        same = history[here.clamp(min=0)][None] == history[there.clamp(min=0)][:, None]
+        after = after & same & (here >= 0)[None] & (there >= 0)[:, None]
     return ((history[1:][None, None] == cand[:, :, None]) & after[:, None]).sum(-1)  # (N, K)
 
 

@@ -50,7 +50,8 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0) -> SatModel:
             sat_model.sampler.out.weight.normal_(0, 0.5)
             sat_model.sampler.pair_weight.fill_(0.5)
             sat_model.sampler.context_weight.fill_(1.0)
-        sat_model.sampler.config.context = True  # the text's own pairs too
+            sat_model.sampler.context3_weight.fill_(0.7)
+        sat_model.sampler.config.context = sat_model.sampler.config.context3 = True  # the text's own pairs and triples
         pairs = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(seed))
         sat_model.sampler.config.vocab_size = VOCAB
         sat_model.sampler.set_bigrams({"bigram_keys": (pairs[:-1] * VOCAB + pairs[1:]).unique(),
@@ -181,6 +182,17 @@ def test_seen_after_counts_the_pairs_before_each_position():
     assert counts.tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0]]
 
 
+def test_seen_after_of_order_3_counts_the_triples_before_each_position():
+    from sdsat.head import seen_after
+
+    text = torch.tensor([5, 1, 2, 4, 1, 3, 5, 1, 2, 5, 1])
+    # at position 10 (5, 1): (5, 1) was followed by 2 twice before, never by 3 (that 1 came after a 4); at
+    # position 7 (5, 1): by 2 once; at position 1 nothing came before; order 2 counts every 1 alike
+    ends, cand = torch.tensor([10, 7, 1]), torch.tensor([[2, 3, 5], [2, 3, 5], [2, 3, 5]])
+    assert seen_after(text, ends, cand, order=3).tolist() == [[2, 0, 0], [1, 0, 0], [0, 0, 0]]
+    assert seen_after(text, ends, cand).tolist() == [[2, 1, 0], [1, 1, 0], [0, 0, 0]]
+
+
 def test_save_and_load_round_trip(tmp_path):
     head = tiny_sat_model(head=True).sampler
     head.save(tmp_path)
@@ -205,13 +217,15 @@ def tiny_features(tmp_path) -> tuple[SatModel, list]:
 
 def head_config(tmp_path, out: str, **changes) -> HeadTrainConfig:
     settings = dict(out=str(tmp_path / out), features=str(tmp_path / "features"), width=32, candidates=8, steps=60,
-                    batch_size=64, lr=3e-3, warmup=5, slots=3, held_out=0.25, checkpoint_every=20, eval_every=30)
+                    batch_size=64, lr=3e-3, warmup=5, slots=3, held_out=0.25, checkpoint_every=20, eval_every=30,
+                    context=True, context3=True)
     return HeadTrainConfig(**(settings | changes))
 
 
 def test_the_head_loss_falls_and_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
     sat_model, chunks = tiny_features(tmp_path)
-    assert {"sat_hidden", "std_hidden", "cand", "cand_logits", "prev", "target", "slot"} <= set(chunks[0])
+    assert {"sat_hidden", "std_hidden", "cand", "cand_logits", "prev", "target", "slot", "seen",
+            "seen3"} <= set(chunks[0])
     embed_in = sat_model.model.get_input_embeddings().weight
     embed_out = sat_model.model.get_output_embeddings().weight
     whole = train(head_config(tmp_path, "whole"), embed_in, embed_out, "tiny", chunks, progress=False)

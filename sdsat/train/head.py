@@ -7,8 +7,9 @@ Stages of `python -m sdsat.train.head`, each resumable:
      row it keeps what the head reads and learns from: the SAT's final hidden state, its top candidates and
      their logits, the token before the drafted one, the model's own greedy token there (the target), the
      standard token's final hidden state at that position (the latent target), and how often the token before
-     was followed by each candidate earlier in the text. One file per chunk of sequences, written atomically;
-     a stopped run resumes at the first missing chunk (`--add-seen` gives older chunks the counts).
+     (and the two tokens before) were followed by each candidate earlier in the text. One file per chunk of
+     sequences, written atomically; a stopped run resumes at the first missing chunk (`--add-seen` gives older
+     chunks the pair counts).
   2. bigrams: a table of adjacent-token counts over Python files and their prose on this machine.
   3. train: the head learns over the stored rows in minutes. Teacher forcing with the true previous token is
      exactly the decoding-time input: draft j matters only when drafts 1..j-1 were accepted, i.e. equal the
@@ -52,6 +53,7 @@ class HeadTrainConfig:
     # held-out share is taken from the last
     bigrams: str = ""  # a bigram table (`python -m sdsat.train.head bigrams`) for the head's w_j log P(c | prev)
     context: bool = False  # the head also reads how often prev was followed by each candidate earlier in the text
+    context3: bool = False  # ... and how often the two tokens before the draft were (features with `seen3`)
     width: int = 512  # head: hidden units of the MLP (0: none, the bigram term alone)
     depth: int = 1  # head: hidden layers (2: the two-layer variant)
     candidates: int = 16  # head: K, top candidates rescored (at most STORED_CANDIDATES)
@@ -75,8 +77,8 @@ class HeadTrainConfig:
             raise ValueError(f"candidates must be between 1 and {STORED_CANDIDATES}, got {self.candidates}")
         if self.depth < 1 or self.width < 0 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("depth, steps and batch_size must be at least 1, width at least 0")
-        if not self.width and not self.bigrams and not self.context:
-            raise ValueError("a head needs an MLP (width > 0), a bigram table (--bigrams) or --context")
+        if not self.width and not self.bigrams and not self.context and not self.context3:
+            raise ValueError("a head needs an MLP (width > 0), a bigram table (--bigrams), --context or --context3")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be a share between 0 and 1, got {self.held_out}")
 
@@ -110,7 +112,8 @@ def sequence_features(sat_model, ids: list[int], start: int, k: int, stride: int
     return {"sat_hidden": sats.to(torch.bfloat16).cpu(), "std_hidden": standard[where].to(torch.bfloat16).cpu(),
             "cand": cand.int().cpu(), "cand_logits": cand_logits.half().cpu(), "prev": tokens[0, where].int().cpu(),
             "target": target.int().cpu(), "slot": layout.slot.to(torch.int8),
-            "seen": seen_after(tokens[0], where, cand).short().cpu()}
+            "seen": seen_after(tokens[0], where, cand).short().cpu(),
+            "seen3": seen_after(tokens[0], where, cand, order=3).short().cpu()}
 
 
 def add_seen(paths: list[Path], sequences: list[tuple[list[int], int]], k: int, stride: int, chunk: int) -> int:
@@ -193,7 +196,8 @@ def head_loss(config: HeadTrainConfig, head: SamplerHead, batch: dict[str, torch
     h, h_std = batch["sat_hidden"].float(), batch["std_hidden"].float()  # (N, H)
     cand_emb = embed_out[cand]  # (N, K, H)
     seen = batch["seen"][:, :k] if config.context else None
-    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out, seen)
+    seen3 = batch["seen3"][:, :k] if config.context3 else None
+    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out, seen, seen3)
     target = batch["target"].long()
     hit = cand == target[:, None]  # (N, K)
     inside = hit.any(-1)
@@ -219,7 +223,8 @@ def evaluate(config: HeadTrainConfig, head: SamplerHead | None, rows: dict[str, 
         part = {name: value[first:first + batch] for name, value in rows.items()}
         cand, z = part["cand"][:, :config.candidates].long(), part["cand_logits"][:, :config.candidates].float()
         scores, _ = head.scores(part["sat_hidden"].float(), part["prev"].long(), part["slot"].long(), cand, z,
-                                embed_in, embed_out, part["seen"][:, :config.candidates] if config.context else None)
+                                embed_in, embed_out, part["seen"][:, :config.candidates] if config.context else None,
+                                part["seen3"][:, :config.candidates] if config.context3 else None)
         top.append(cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0])
     right = {"head": torch.cat(top) == rows["target"].long(), "sats": rows["cand"][:, 0] == rows["target"]}
     runs = int((slot == 0).sum())
@@ -251,9 +256,13 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     hidden = train_rows["sat_hidden"].shape[1]
     head = SamplerHead(HeadConfig(base_model=base_model, hidden_size=hidden, num_sats=config.slots,
                                   width=config.width, depth=config.depth, candidates=config.candidates,
-                                  vocab_size=len(embed_out) if config.bigrams else 0, context=config.context))
+                                  vocab_size=len(embed_out) if config.bigrams else 0, context=config.context,
+                                  context3=config.context3))
     if config.context and "seen" not in train_rows:
-        raise ValueError("--context needs features with context counts: run `python -m sdsat.train.head seen` on them")
+        raise ValueError("--context needs features with context counts: "
+                         "run `python -m sdsat.train.head extract --add-seen` on them")
+    if config.context3 and "seen3" not in train_rows:
+        raise ValueError("--context3 needs features with counts of triples: extract them again")
     if config.bigrams:
         head.set_bigrams(torch.load(config.bigrams))
     embed_in, embed_out = embed_in.detach().float(), embed_out.detach().float()
