@@ -301,16 +301,21 @@ def keyed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     layout = _layout_of(attention_mask, rows, keys, group, kv_heads, query.device, size=None)
     width = max(layout.keys, keys + 1 if layout.gathered else keys)
     key, value = (_padded_float(x, width, x.dtype) for x in (key, value))
-    out = query.new_empty((1, rows, heads, dim))
-    for tile in layout.tiles:
+
+    def attend(tile: _Tile) -> torch.Tensor:  # (n, kv_heads, group, dim), a view
         n, padded = tile.last - tile.first, tile.keys
         q = query[0, :, tile.first:tile.last].reshape(kv_heads, group * n, dim)
         # the scores' product reads its keys dense: over a view of the cache's room it takes a slower path
         # (the same bits) that costs more than the copy
         o = _attend_half(q, key[:, :padded].contiguous(), value[:, :padded], _tile_mask(tile, group, query.device),
                          scaling)
-        out[0, tile.first:tile.last].view(n, kv_heads, group, dim).copy_(
-            o.view(kv_heads, group, n, dim).permute(2, 0, 1, 3))
+        return o.view(kv_heads, group, n, dim).permute(2, 0, 1, 3)
+
+    if len(layout.tiles) == 1 and not layout.gathered:  # a decode pass's rows: no output to assemble
+        return attend(layout.tiles[0]).reshape(1, rows, heads, dim), None
+    out = query.new_empty((1, rows, heads, dim))
+    for tile in layout.tiles:
+        out[0, tile.first:tile.last].view(tile.last - tile.first, kv_heads, group, dim).copy_(attend(tile))
     for nodes in layout.gathered:  # batch index: key head, then row, as _gathered_mask has it
         m, padded = nodes.rows.numel(), nodes.keys
         q = query[0].index_select(1, nodes.rows).view(kv_heads, group, m, dim).transpose(1, 2)
