@@ -305,13 +305,14 @@ def keyed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     def attend(tile: _Tile) -> torch.Tensor:  # (n, kv_heads, group, dim), a view
         n, padded = tile.last - tile.first, tile.keys
         q = query[0, :, tile.first:tile.last].reshape(kv_heads, group * n, dim)
-        # the scores' product reads its keys dense: over a view of the cache's room it takes a slower path
-        # (the same bits) that costs more than the copy
+        # the scores' product reads its keys dense: over a view of the cache's room (heads a buffer apart)
+        # oneDNN takes a slower path, with the same bits, that costs more than this copy; the values' product
+        # gains too little to pay for one
         o = _attend_half(q, key[:, :padded].contiguous(), value[:, :padded], _tile_mask(tile, group, query.device),
                          scaling)
         return o.view(kv_heads, group, n, dim).permute(2, 0, 1, 3)
 
-    if len(layout.tiles) == 1 and not layout.gathered:  # a decode pass's rows: no output to assemble
+    if len(layout.tiles) == 1 and not layout.gathered:  # nothing to assemble: a view (one row: no copy at all)
         return attend(layout.tiles[0]).reshape(1, rows, heads, dim), None
     out = query.new_empty((1, rows, heads, dim))
     for tile in layout.tiles:

@@ -215,7 +215,7 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
         hidden: (k, H) the SAT rows' final hidden states; logits: (k, V) their logits z.
         warp: (N, V) logits -> (N, V) the sampler's distribution (TokenChooser.probs);
         draw: (N, V) distributions -> (N,) tokens (TokenChooser.draw).
-        history: every token before t (a head that reads the context counts its pairs).
+        history: every token before t (a head that reads the context counts its pairs and triples).
     Returns q (k, V), each row the exact distribution its draft was drawn from, and the drafts (k,).
     """
     rows, drafts, prev = [], [], t

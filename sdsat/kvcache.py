@@ -18,8 +18,9 @@ class InPlaceLayer(DynamicLayer):
     time, not concatenated into new tensors at every pass; `keys` and `values` are views of its first tokens.
 
     Past them the buffer holds zeros or the keys of rows since dropped, all finite: the row-invariant attention
-    reads that room, masked, as its key padding (`has_room`) instead of copying the cache into a padded tensor
-    in every layer. Being written in place, a cache filled under `torch.inference_mode` takes its later passes
+    reads that room, masked, as its key padding (`has_room`) instead of padding a copy of the cache in every
+    layer (the keyed form still copies its keys dense, padding included, for its scores' product). Being
+    written in place, a cache filled under `torch.inference_mode` takes its later passes
     (and `keep_rows`) under it too, as the decoders run them. Where transformers replaces `keys` and `values`
     with new tensors (batch selection, offloading), the next update starts a new buffer from them.
     """

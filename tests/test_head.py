@@ -191,6 +191,23 @@ def test_seen_after_of_order_3_counts_the_triples_before_each_position():
     ends, cand = torch.tensor([10, 7, 1]), torch.tensor([[2, 3, 5], [2, 3, 5], [2, 3, 5]])
     assert seen_after(text, ends, cand, order=3).tolist() == [[2, 0, 0], [1, 0, 0], [0, 0, 0]]
     assert seen_after(text, ends, cand).tolist() == [[2, 1, 0], [1, 1, 0], [0, 0, 0]]
+    # the text's first pair counts (1, 2 at positions 0, 1, followed by 1, before 1, 2 at 2, 3); 7 comes after
+    edge = seen_after(torch.tensor([1, 2, 1, 2, 7]), torch.tensor([3]), torch.tensor([[1, 7]]), order=3)
+    assert edge.tolist() == [[1, 0]]
+
+
+def test_a_head_saved_before_the_context_terms_loads_with_them_off(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head = tiny_sat_model(head=True).sampler
+    head.config.context = head.config.context3 = False
+    head.save(tmp_path)
+    tensors = load_file(str(tmp_path / "sampler_head.safetensors"))
+    del tensors["context_weight"], tensors["context3_weight"]
+    save_file(tensors, str(tmp_path / "sampler_head.safetensors"))
+    loaded = head_beside(tmp_path)
+    assert not loaded.config.context3 and torch.equal(loaded.context3_weight, torch.zeros(4))
+    assert torch.equal(loaded.pair_weight, head.pair_weight)
 
 
 def test_save_and_load_round_trip(tmp_path):
@@ -220,6 +237,26 @@ def head_config(tmp_path, out: str, **changes) -> HeadTrainConfig:
                     batch_size=64, lr=3e-3, warmup=5, slots=3, held_out=0.25, checkpoint_every=20, eval_every=30,
                     context=True, context3=True)
     return HeadTrainConfig(**(settings | changes))
+
+
+def test_older_features_get_their_context_counts_back(tmp_path):
+    from sdsat.train.head import add_seen, merge
+
+    model = make_tiny_llama(vocab_size=64, hidden_size=32, layers=2, seed=0)
+    config = AdapterConfig(base_model="tiny", hidden_size=32, num_layers=2, num_sats=3, rank=4)
+    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=3), SatAdapter.for_model(model, config, 3))
+    gen = torch.Generator().manual_seed(0)
+    sequences = [([3, 4, 3, 4] * 5 + torch.randint(0, 64, (12,), generator=gen).tolist(), 6) for _ in range(6)]
+    paths = extract(sat_model, sequences, tmp_path, k=3, stride=1, chunk=4, progress=False)
+    whole = [torch.load(p) for p in paths]
+    assert any(c["seen3"].any() for c in whole)  # the repeated pairs were counted
+    older = {name: value for name, value in whole[0].items() if name not in ("seen", "seen3")}
+    torch.save(older, paths[0])
+    with pytest.raises(ValueError, match="different versions"):
+        merge(load_features(tmp_path, slots=3))
+    assert add_seen(paths, sequences, k=3, stride=1, chunk=4) == 1
+    again = torch.load(paths[0])
+    assert torch.equal(again["seen"], whole[0]["seen"]) and torch.equal(again["seen3"], whole[0]["seen3"])
 
 
 def test_the_head_loss_falls_and_a_resumed_run_equals_an_uninterrupted_one(tmp_path):

@@ -9,7 +9,7 @@ Stages of `python -m sdsat.train.head`, each resumable:
      standard token's final hidden state at that position (the latent target), and how often the token before
      (and the two tokens before) were followed by each candidate earlier in the text. One file per chunk of
      sequences, written atomically; a stopped run resumes at the first missing chunk (`--add-seen` gives older
-     chunks the pair counts).
+     chunks the counts of pairs and triples).
   2. bigrams: a table of adjacent-token counts over Python files and their prose on this machine.
   3. train: the head learns over the stored rows in minutes. Teacher forcing with the true previous token is
      exactly the decoding-time input: draft j matters only when drafts 1..j-1 were accepted, i.e. equal the
@@ -117,12 +117,13 @@ def sequence_features(sat_model, ids: list[int], start: int, k: int, stride: int
 
 
 def add_seen(paths: list[Path], sequences: list[tuple[list[int], int]], k: int, stride: int, chunk: int) -> int:
-    """Give chunks extracted before the context term its counts (`seen_after`), rebuilt from their sequences;
-    returns how many chunks changed. The rows' own `prev` must match the sequences (ValueError otherwise)."""
+    """Give chunks extracted before the context terms their counts of pairs and triples (`seen_after`), rebuilt
+    from their sequences; returns how many chunks changed. The rows' own `prev` must match the sequences
+    (ValueError otherwise)."""
     changed = 0
     for index, path in enumerate(paths):
         rows = torch.load(path)
-        if not rows or "seen" in rows:
+        if not rows or ("seen" in rows and "seen3" in rows):
             continue
         seen = []
         for ids, start in sequences[index * chunk:(index + 1) * chunk]:
@@ -134,12 +135,13 @@ def add_seen(paths: list[Path], sequences: list[tuple[list[int], int]], k: int, 
         prev = torch.cat([ids[w] for ids, w in seen])
         if len(prev) != len(rows["prev"]) or not torch.equal(prev.int(), rows["prev"]):
             raise ValueError(f"{path} does not match these sequences: extract it again with the same source")
-        counts, offset = [], 0
-        for ids, w in seen:
-            counts.append(seen_after(ids, w, rows["cand"][offset:offset + len(w)].long()))
-            offset += len(w)
-        rows["seen"] = torch.cat(counts).short()
-        assert len(where_all) == len(rows["seen"])
+        for name, order in (("seen", 2), ("seen3", 3)):
+            counts, offset = [], 0
+            for ids, w in seen:
+                counts.append(seen_after(ids, w, rows["cand"][offset:offset + len(w)].long(), order=order))
+                offset += len(w)
+            rows[name] = torch.cat(counts).short()
+            assert len(where_all) == len(rows[name])
         tmp = path.with_suffix(".tmp")
         torch.save(rows, tmp)
         tmp.replace(path)
@@ -183,6 +185,10 @@ def load_features(folders: str | Path, slots: int) -> list[dict[str, torch.Tenso
 
 
 def merge(chunks: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    names = set(chunks[0])
+    if any(set(c) != names for c in chunks):
+        raise ValueError("these head features were extracted by different versions: give the older chunks their "
+                         "counts with `python -m sdsat.train.head extract --add-seen`, or extract into a new --out")
     return {name: torch.cat([c[name] for c in chunks]) for name in chunks[0]}
 
 
@@ -262,7 +268,8 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
         raise ValueError("--context needs features with context counts: "
                          "run `python -m sdsat.train.head extract --add-seen` on them")
     if config.context3 and "seen3" not in train_rows:
-        raise ValueError("--context3 needs features with counts of triples: extract them again")
+        raise ValueError("--context3 needs features with counts of triples: "
+                         "run `python -m sdsat.train.head extract --add-seen` on them")
     if config.bigrams:
         head.set_bigrams(torch.load(config.bigrams))
     embed_in, embed_out = embed_in.detach().float(), embed_out.detach().float()
