@@ -201,9 +201,8 @@ def head_loss(config: HeadTrainConfig, head: SamplerHead, batch: dict[str, torch
     cand, z = batch["cand"][:, :k].long(), batch["cand_logits"][:, :k].float()  # (N, K)
     h, h_std = batch["sat_hidden"].float(), batch["std_hidden"].float()  # (N, H)
     cand_emb = embed_out[cand]  # (N, K, H)
-    seen = batch["seen"][:, :k] if config.context else None
-    seen3 = batch["seen3"][:, :k] if config.context3 else None
-    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out, seen, seen3)
+    scores, u = head.scores(h, batch["prev"].long(), batch["slot"].long(), cand, z, embed_in, embed_out,
+                            *_context_counts(config, batch))
     target = batch["target"].long()
     hit = cand == target[:, None]  # (N, K)
     inside = hit.any(-1)
@@ -218,6 +217,12 @@ def head_loss(config: HeadTrainConfig, head: SamplerHead, batch: dict[str, torch
     return loss, {"ce": ce.item(), "kl": kl.item(), "latent": latent.item()}
 
 
+def _context_counts(config: HeadTrainConfig, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The rows' counts of pairs and triples at the head's K candidates, each None where the head does not read it."""
+    k = config.candidates
+    return (rows["seen"][:, :k] if config.context else None, rows["seen3"][:, :k] if config.context3 else None)
+
+
 @torch.no_grad()
 def evaluate(config: HeadTrainConfig, head: SamplerHead | None, rows: dict[str, torch.Tensor], embed_in, embed_out,
              batch: int = 4096) -> dict[str, list[float]]:
@@ -229,8 +234,7 @@ def evaluate(config: HeadTrainConfig, head: SamplerHead | None, rows: dict[str, 
         part = {name: value[first:first + batch] for name, value in rows.items()}
         cand, z = part["cand"][:, :config.candidates].long(), part["cand_logits"][:, :config.candidates].float()
         scores, _ = head.scores(part["sat_hidden"].float(), part["prev"].long(), part["slot"].long(), cand, z,
-                                embed_in, embed_out, part["seen"][:, :config.candidates] if config.context else None,
-                                part["seen3"][:, :config.candidates] if config.context3 else None)
+                                embed_in, embed_out, *_context_counts(config, part))
         top.append(cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0])
     right = {"head": torch.cat(top) == rows["target"].long(), "sats": rows["cand"][:, 0] == rows["target"]}
     runs = int((slot == 0).sum())
