@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import ASSETS
+from . import ASSETS, sat_kernel
 from .checkpoints import known_checkpoint
 from .decoding import SCHEMES, DecodeConfig, Event, GenerationResult, collect, decode
 from .default_model import cache_dir
@@ -172,6 +172,8 @@ class Engine:
         model, tokenizer = load_model(load_config)
         spec, adapter, trained = _resolve_sats(model, tokenizer, load_config.model, sats)
         sat_model = SatModel(model, spec, adapter)
+        if adapter is not None and sat_model.device.type == "cpu":
+            sat_kernel.start_build()  # its draft passes use PyTorch's ops until the compiled update is ready
         return cls(model, tokenizer, sat_model, load_config.model, trained, eos_ids_of(model, tokenizer), load_config)
 
     @property

@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import sat_kernel
 from .head import head_beside
 
 SPEC_FILE = "sat_spec.json"
@@ -135,6 +136,7 @@ class SatAdapter(nn.Module):
         self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # see _sat_input
         self._last_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # see _position_mask
         self._scaled_b: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}  # see _scaled
+        self._kernel_ab: dict[str, tuple] = {}  # see _kernel_weights
 
     @property
     def scale(self) -> float:
@@ -243,6 +245,7 @@ class SatAdapter(nn.Module):
             self._hooks.clear()
         self._last_input = self._last_mask = None
         self._scaled_b.clear()
+        self._kernel_ab.clear()
 
     def _make_hook(self, key: str):
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
@@ -252,6 +255,10 @@ class SatAdapter(nn.Module):
             start, x = current[0], inputs[0]
             a, b = self.lora_a[key], self.lora_b[key]
             if output.shape[0] == 1 and not torch.is_grad_enabled():
+                kernel = sat_kernel.compiled()
+                if (kernel is not None and not self.config.per_position
+                        and kernel.sat_update(output, x, start, *self._kernel_weights(key))):
+                    return output  # one call, where it applies (sat_kernel.py)
                 # Decoding: this hook runs for every adapted layer of a draft pass, so each op counts on a CPU:
                 # the SAT rows' input is cast once for the layers that share it (q/k/v, gate/up), the scale
                 # is folded into B, and the float32 update of a bfloat16 model is added without a cast.
@@ -310,6 +317,18 @@ class SatAdapter(nn.Module):
         if kept is None or kept[0] is not b or kept[1] != stamp:
             kept = self._scaled_b[key] = (b, stamp, b.detach() * self.scale)
         return kept[2]
+
+    def _kernel_weights(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A transposed and the scaled B as contiguous float32 for sat_kernel, kept until either changes (as
+        `_scaled`)."""
+        # the parameters by their dicts: a ParameterDict's item costs a few module attribute lookups, 140 per pass
+        a, b = self._modules["lora_a"]._parameters[key], self._modules["lora_b"]._parameters[key]
+        stamp = (a.data_ptr(), a._version, b.data_ptr(), b._version, self.scale)
+        kept = self._kernel_ab.get(key)
+        if kept is None or kept[0] is not a or kept[1] is not b or kept[2] != stamp:
+            kept = self._kernel_ab[key] = (a, b, stamp, a.detach().float().t().contiguous(),
+                                           (b.detach().float() * self.scale).contiguous())
+        return kept[3], kept[4]
 
     def save(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
         """Weights as `dtype`: float32 loads back bit-exactly, float16 halves the file (the shipped adapter)."""

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import transformers
 
-from . import attention, cpu_kernels, jsonfile
+from . import attention, cpu_kernels, jsonfile, sat_kernel
 from .costs import NOISY_SPREAD, CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
@@ -448,6 +448,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
              or (remeasure == "noisy" and kept[p].noisy)]
     if fresh and remeasure == "never":
         return None
+    if fresh and sat_model.adapter is not None and next(model.parameters()).device.type == "cpu":
+        sat_kernel.build()  # the draft passes are timed as they will run (compiled once per machine, then loaded)
     # "noisy": the kept run competes with the new ones; otherwise a precision measured now starts afresh
     found = {p: kept[p] if p not in fresh or remeasure == "noisy" else None for p in precisions}
     steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh) + REVISIT_ROUNDS * len(fresh),

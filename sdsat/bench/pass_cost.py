@@ -6,6 +6,8 @@ T; on a CPU a one-token pass multiplies matrices by a vector, a wider one by a m
 kernels differ. This measures it on the loaded model, with a KV cache of `--context` tokens, for
 plain causal blocks (what vanilla, prompt lookup and SDSAT's verify pass feed) and for SDSAT draft
 blocks [token, SAT x k]. Sizes are interleaved in every repeat; medians are reported.
+`--compare-sat-updates` measures draft passes with the SAT rows' update compiled (`sdsat/sat_kernel.py`) and as
+PyTorch's ops, in SDSAT's form of `--precision` (default bfloat16), switching round by round.
 `--compare-kernels` measures with the routed CPU kernels (`sdsat/cpu_kernels.py`) and with plain
 `nn.Linear`, switching between them round by round. `--compare-forms` measures, in `--precision`, every
 row-invariant form's attention (tuning.exact_forms) on the row-invariant products, switching round by round,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -120,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-forms", action="store_true",
                         help="measure every row-invariant form of attention in --precision, interleaved round by "
                              "round (default off)")
+    parser.add_argument("--compare-sat-updates", action="store_true",
+                        help="measure the SAT rows' update compiled (sdsat/sat_kernel.py) and as PyTorch's ops, "
+                             "interleaved round by round (default off)")
     parser.add_argument("--precision", choices=("float32", "bfloat16"),
                         help="convert the model to this precision first (default: as loaded; --compare-forms: "
                              "bfloat16)")
@@ -142,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sizes = sorted(set(args.tokens) | {1})
     precision = args.precision or ("bfloat16" if args.compare_forms else None)
-    if precision and not args.compare_forms:  # in the form a plain start loads
+    if args.compare_sat_updates:  # in the form SDSAT decodes in (the first row-invariant form its tuning tries)
+        from .. import tuning
+
+        precision = precision or "bfloat16"
+        tuning.set_precision(engine.sat_model, precision, not args.no_cpu_kernels, tuning.exact_forms(precision)[0])
+    elif precision and not args.compare_forms:  # in the form a plain start loads
         from .. import tuning
 
         tuning.set_precision(engine.sat_model, precision, not args.no_cpu_kernels, tuning.ROUTED)
@@ -158,6 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         model = engine.model
         settings = {form: (lambda name=names[form]: model.set_attn_implementation(name)) for form in forms}
         results = measure_settings(engine, sizes, args.context, args.repeats, settings)
+        text = compare_report(results, args.context) + "\n\n" + forms_summary(results)
+    elif args.compare_sat_updates:
+        from .. import sat_kernel
+
+        if sat_kernel.build() is None:
+            print("error: --compare-sat-updates: the compiled update cannot be built here (see the log), or "
+                  "SDSAT_SAT_KERNEL=0", file=sys.stderr)
+            return 2
+        settings = {"compiled update": lambda: os.environ.__setitem__("SDSAT_SAT_KERNEL", "1"),
+                    "PyTorch's ops": lambda: os.environ.__setitem__("SDSAT_SAT_KERNEL", "0")}
+        results = measure_settings(engine, sizes, args.context, args.repeats, settings)
+        os.environ["SDSAT_SAT_KERNEL"] = "1"
         text = compare_report(results, args.context) + "\n\n" + forms_summary(results)
     elif args.compare_kernels:
         from .. import cpu_kernels

@@ -1,0 +1,100 @@
+"""The SAT rows' compiled update (sdsat/sat_kernel.py): the same update as PyTorch's ops, to rounding, and
+lossless decoding with it on the real model; where it cannot be built, PyTorch's ops do the work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdsat import sat_kernel
+from sdsat.decoding import DecodeConfig
+from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
+from test_decoding import FAVOURITE, MAX_K, favourite_llama
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
+    module = sat_kernel.build()
+    if module is None:
+        pytest.skip(f"the compiled update cannot be built on this machine ({sat_kernel._failed})")
+    return module
+
+
+def seven_projection_model(dtype: torch.dtype) -> SatModel:
+    model = favourite_llama()
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
+                           num_layers=model.config.num_hidden_layers, num_sats=MAX_K, rank=4,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    adapter = SatAdapter.for_model(model, config, init_token_id=FAVOURITE)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for b in adapter.lora_b.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), adapter)
+    model.to(dtype)  # the adapter stays float32, as after tuning.set_precision on a CPU
+    return sat_model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_update_matches_pytorchs_ops(kernel, monkeypatch, dtype):
+    """SAT logits equal the ops' to the precision's rounding, also after B is trained in place (its float32 copy
+    follows); standard rows are the base model's, bit for bit; with the kernel off the ops run."""
+    sat_model = seven_projection_model(dtype)
+    ids, slots = torch.tensor([[5, 7, 9, 1, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1, 2]])
+    calls = []
+    counted = type("Counted", (), {"sat_update": lambda self, *a: (calls.append(1), kernel.sat_update(*a))[1]})()
+    monkeypatch.setattr(sat_kernel, "compiled", lambda: counted)
+
+    def logits(compiled: bool) -> torch.Tensor:
+        monkeypatch.setenv("SDSAT_SAT_KERNEL", "1" if compiled else "0")
+        monkeypatch.setattr(sat_kernel, "compiled", (lambda: counted) if compiled else (lambda: None))
+        with torch.inference_mode():
+            return sat_model.forward(ids, slots).float()
+
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    for _ in range(2):
+        ops, compiled = logits(False), logits(True)
+        assert calls, "the decoding path did not call the compiled update"
+        with torch.inference_mode():
+            base = sat_model.model(input_ids=ids).logits.float()
+        assert torch.equal(compiled[0, :3], base[0, :3])
+        assert not torch.allclose(compiled[0, 3:], base[0, 3:], atol=1e-3)  # the SAT rows were updated
+        torch.testing.assert_close(compiled, ops, **tolerance)
+        calls.clear()
+        with torch.no_grad():
+            for b in sat_model.adapter.lora_b.values():
+                b.mul_(3.0)
+
+
+def test_greedy_decoding_with_the_compiled_update_is_identical_to_vanilla(kernel, default_engine, monkeypatch):
+    """The shipped adapter's drafts through the compiled update on the real model: output identical to vanilla's,
+    and drafts accepted (the update is the adapter's, not noise)."""
+    monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
+    prompt = "def running_max(values):\n    \"\"\"Return the running maximum of a list.\"\"\"\n"
+    vanilla = default_engine.generate(prompt, DecodeConfig(method="vanilla", max_new_tokens=40))
+    sdsat = default_engine.generate(prompt, DecodeConfig(method="sdsat", k=3, max_new_tokens=40))
+    assert sdsat.token_ids == vanilla.token_ids
+    assert len(sdsat.token_ids) / len(sdsat.steps) > 1.3
+
+
+def test_where_it_cannot_be_built_the_ops_do_the_work(monkeypatch, caplog):
+    """A failed build (no compiler, no ninja) is said once in the log and leaves decoding on PyTorch's ops."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
+    monkeypatch.setattr(sat_kernel, "_module", None)
+    monkeypatch.setattr(sat_kernel, "_failed", None)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    with caplog.at_level("INFO", logger="sdsat.sat_kernel"):
+        assert sat_kernel.build() is None and sat_kernel.build() is None
+    assert sat_kernel.compiled() is None
+    assert sum("not available here" in r.message for r in caplog.records) == 1
+    assert "Ninja is required" in caplog.records[0].getMessage()
+    sat_model = seven_projection_model(torch.float32)
+    with torch.inference_mode():
+        assert torch.isfinite(sat_model.forward(torch.tensor([[5, 7, 1]]), torch.tensor([[-1, 0, 1]]))).all()
