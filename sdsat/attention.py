@@ -22,6 +22,11 @@ shapes (how many rows, how many keys, how the threads split them). Three ways ar
   weighted values are bfloat16 products, the softmax runs in float32.
 * Per row (`PER_ROW`): each row attends over exactly the keys it sees, alone. Invariant wherever one
   kernel call is deterministic, but one call per row and layer: the fallback.
+* Compiled (`COMPILED`): the per-row idea in one call per layer, `csrc/attend.cpp` compiled on the machine
+  (native.py): every row over exactly its keys, its sums in one fixed order, so invariant by construction and
+  with no padding; a lone row costs a fraction of the other forms' setup. float32 arithmetic on float32 or
+  bfloat16 inputs. Offered only where the extension is built; models it does not take (soft-capped scores,
+  other head sizes) attend one row at a time, as the per-row form does, in every pass alike.
 
 All three cut a draft tree's node to its own keys (the cache, then its ancestors) before attending. The tiled and
 keyed forms run on one thread whatever torch's thread count: their products are a few thousand multiply-adds
@@ -34,14 +39,17 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import os
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
+from . import native
 from .kvcache import has_room
 
-TILED, KEYED, PER_ROW = "sdsat_tiled", "sdsat_keyed", "sdsat_row_invariant"
+TILED, KEYED, PER_ROW, COMPILED = "sdsat_tiled", "sdsat_keyed", "sdsat_row_invariant", "sdsat_compiled"
 TILE_ROWS = 8  # query rows per call
 KEY_BLOCK = 64  # keys are padded to a multiple of this
 
@@ -345,9 +353,55 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.bmm(torch.softmax(scores, -1), v)
 
 
-def register() -> tuple[str, str, str]:
-    """Make the forms selectable as `model.set_attn_implementation(TILED, KEYED or PER_ROW)`."""
-    for name, function in ((TILED, tiled_attention), (KEYED, keyed_attention), (PER_ROW, per_row_attention)):
+def compiled_enabled() -> bool:
+    """SDSAT_ATTENTION_KERNEL=0 keeps the compiled form out of tunings (it is offered where native.py builds)."""
+    return os.environ.get("SDSAT_ATTENTION_KERNEL", "1") != "0"
+
+
+def compiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """The signature of `per_row_attention`: every row of the pass in one call to the compiled kernel."""
+    kernel = native.module()
+    if kernel is None:  # set_precision builds it before choosing this form; another numerics would break identity
+        raise RuntimeError("the compiled attention form needs the compiled kernels (sdsat/native.py)")
+    _check(query)
+    if (kwargs.get("softcap") or query.dtype not in (torch.float32, torch.bfloat16) or query.device.type != "cpu"
+            or not kernel.applies(query.shape[1], key.shape[1], query.shape[3])):
+        return per_row_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    counts, index = _rows_of(attention_mask, query.shape[2], key.shape[2])
+    return kernel.attend(query, key, value, counts, index, scaling), None
+
+
+_LAST_ROWS: tuple | None = None  # (mask, shape, counts, index) of the latest pass: every layer of a pass shares it
+_NO_INDEX = torch.empty(0, dtype=torch.long)
+
+
+def _rows_of(attention_mask: torch.Tensor | None, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys each row sees, as the kernel takes them: counts (rows,), and each row's key indices (rows, widest)
+    where some row's keys are not a prefix of the cache (a draft tree's node), else an empty index."""
+    global _LAST_ROWS
+    last = _LAST_ROWS
+    if last is not None and last[0] is attention_mask and last[1] == (rows, keys):
+        return last[2], last[3]
+    if attention_mask is None:  # causal
+        counts, index = torch.arange(keys - rows + 1, keys + 1), _NO_INDEX
+    else:
+        seen = attention_mask[0, 0]
+        seen = (seen if seen.dtype == torch.bool else seen == 0).cpu()
+        counts = seen.sum(-1)
+        if bool((seen == (torch.arange(keys) < counts[:, None])).all()):
+            index = _NO_INDEX
+        else:  # sorted: each row's seen keys first, in order
+            order = torch.argsort((~seen).to(torch.int8), dim=-1, stable=True)
+            index = order[:, :int(counts.max())].contiguous()
+    _LAST_ROWS = (attention_mask, (rows, keys), counts, index)  # keeps the mask alive, so `is` cannot match anew
+    return counts, index
+
+
+def register() -> tuple[str, str, str, str]:
+    """Make the forms selectable as `model.set_attn_implementation(TILED, KEYED, PER_ROW or COMPILED)`."""
+    for name, function in ((TILED, tiled_attention), (KEYED, keyed_attention), (PER_ROW, per_row_attention),
+                           (COMPILED, compiled_attention)):
         AttentionInterface.register(name, function)
         AttentionMaskInterface.register(name, sdpa_mask)
-    return TILED, KEYED, PER_ROW
+    return TILED, KEYED, PER_ROW, COMPILED

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import transformers
 
-from . import attention, cpu_kernels, jsonfile, sat_kernel
+from . import attention, cpu_kernels, jsonfile, native
 from .costs import NOISY_SPREAD, CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
@@ -46,12 +46,14 @@ from .planner import TRACE_FILE, Plan, Trace, choose
 log = logging.getLogger(__name__)
 
 CPU_PRECISIONS = ("float32", "bfloat16")
-# The forms of a precision on a CPU: row-invariant products with keyed (bfloat16), tiled or per-row attention,
-# or routed (attention.py).
-KEYED, INVARIANT, PER_ROW, ROUTED = "row-invariant keyed", "row-invariant", "row-invariant per-row", "routed"
-EXACT_FORMS = (KEYED, INVARIANT, PER_ROW)  # tried in this order (KEYED in bfloat16 only, see exact_forms); the
-# first whose rows check bit-equal is SDSAT's
-_FORMAT = 8
+# The forms of a precision on a CPU: row-invariant products with compiled, keyed (bfloat16), tiled or per-row
+# attention, or routed (attention.py).
+COMPILED, KEYED, INVARIANT, PER_ROW, ROUTED = ("row-invariant compiled", "row-invariant keyed", "row-invariant",
+                                               "row-invariant per-row", "routed")
+ROUTED_COMPILED = "routed, compiled attention"  # vanilla alone: the routed products with the compiled attention
+EXACT_FORMS = (COMPILED, KEYED, INVARIANT, PER_ROW)  # tried in this order (see exact_forms); the first whose rows
+# check bit-equal is SDSAT's
+_FORMAT = 9
 MEASURE_ROUNDS = 2  # a noisy curve: the precisions measured now are measured once more (see `tune`)
 # After the curves, every form's one-token pass is timed again in this many rounds (see `_time_again`), each of
 # REVISIT_PASSES passes.
@@ -134,9 +136,10 @@ def dtype_name(model: torch.nn.Module) -> str:
 
 def set_precision(sat_model, precision: str, kernels: bool = True, form: str = ROUTED) -> None:
     """Convert the model (and its SAT adapter) to `precision` in place, in `form`: on a CPU with kernels,
-    ROUTED is the fastest kernel per row count and batched SDPA attention, INVARIANT the row-invariant
-    products and tiled attention, PER_ROW those products and per-row attention. Elsewhere the products
-    are nn.Linear's and the attention SDPA."""
+    ROUTED is the fastest kernel per row count and batched SDPA attention (ROUTED_COMPILED: with the compiled
+    attention), INVARIANT the row-invariant products and tiled attention, PER_ROW those products and per-row
+    attention, KEYED and COMPILED those products and the keyed or compiled attention (attention.py). Elsewhere
+    the products are nn.Linear's and the attention SDPA."""
     model = sat_model.model
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
@@ -147,8 +150,11 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form in EXACT_FORMS and on_cpu
-    tiled, keyed, per_row = attention.register()
-    model.set_attn_implementation({INVARIANT: tiled, KEYED: keyed, PER_ROW: per_row}[form] if invariant else "sdpa")
+    if on_cpu and form in (COMPILED, ROUTED_COMPILED) and native.build() is None:
+        raise RuntimeError(f"the {form} form needs the compiled kernels, which cannot be built here")
+    tiled, keyed, per_row, compiled = attention.register()
+    names = {INVARIANT: tiled, KEYED: keyed, PER_ROW: per_row, COMPILED: compiled, ROUTED_COMPILED: compiled}
+    model.set_attn_implementation(names[form] if on_cpu and form in names else "sdpa")
     if invariant:
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
@@ -183,15 +189,17 @@ def in_form(sat_model, precision: str, kernels: bool, form: str) -> bool:
     if (precision, form) != (dtype_name(model), form_of(model)):
         return False
     routable = kernels and next(model.parameters()).device.type == "cpu"
-    return form != ROUTED or not routable or cpu_kernels.installed_plan(model) is not None
+    return form not in (ROUTED, ROUTED_COMPILED) or not routable or cpu_kernels.installed_plan(model) is not None
 
 
 def form_of(model: torch.nn.Module) -> str:
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
-    if plan is None or not plan.invariant or attn not in (attention.TILED, attention.KEYED, attention.PER_ROW):
-        return ROUTED
-    return {attention.TILED: INVARIANT, attention.KEYED: KEYED}.get(attn, PER_ROW)
+    names = {attention.TILED: INVARIANT, attention.KEYED: KEYED, attention.PER_ROW: PER_ROW,
+             attention.COMPILED: COMPILED}
+    if plan is None or not plan.invariant or attn not in names:
+        return ROUTED_COMPILED if attn == attention.COMPILED else ROUTED
+    return names[attn]
 
 
 @contextlib.contextmanager
@@ -307,13 +315,23 @@ class _Steps:
 def _steps_per_precision(sat_model, precision: str, kernels: bool) -> int:
     """Measurement steps of one precision when its first row-invariant form checks out: that form's curve and
     row check, then the other forms' one-token passes; one step where no invariant form exists."""
-    return len(exact_forms(precision)) + 1 if _invariant_forms(sat_model, precision, kernels) else 1
+    if not _invariant_forms(sat_model, precision, kernels):
+        return 1
+    return len(exact_forms(precision)) + len(_routed_forms(precision))
+
+
+def _routed_forms(precision: str) -> list[str]:
+    """The forms timed for vanilla alone: the routed products, and with the compiled attention where SDSAT's
+    forms have it (the fastest plain decoding may use what SDSAT's form does)."""
+    return [ROUTED] + ([ROUTED_COMPILED] if COMPILED in exact_forms(precision) else [])
 
 
 def exact_forms(precision: str) -> tuple[str, ...]:
-    """The row-invariant forms tried for `precision`, in order: the keyed attention is bfloat16's alone (in
-    other precisions it would compute as the tiled form does)."""
-    return EXACT_FORMS if precision == "bfloat16" else tuple(f for f in EXACT_FORMS if f != KEYED)
+    """The row-invariant forms tried for `precision`, in order: the compiled attention where the compiled kernels
+    are built for this machine (native.built) and not turned off; the keyed attention in bfloat16 alone (in other
+    precisions it would compute as the tiled form does)."""
+    compiled = attention.compiled_enabled() and native.built()
+    return tuple(f for f in EXACT_FORMS if (f != KEYED or precision == "bfloat16") and (f != COMPILED or compiled))
 
 
 def _invariant_forms(sat_model, precision: str, kernels: bool) -> bool:
@@ -333,7 +351,7 @@ def _measure(sat_model, precision: str, kernels: bool, steps: _Steps) -> _Measur
                 curve, rows = measure_curve(sat_model), check_rows(sat_model)
             if rows.invariant:
                 others = {}
-                for other in [f for f in exact_forms(precision) if f != form] + [ROUTED]:
+                for other in [f for f in exact_forms(precision) if f != form] + _routed_forms(precision):
                     what = "kernel plan and one-token pass" if other == ROUTED else "one-token pass"
                     with steps.step(f"{precision} {other}: {what}"), trying(sat_model, precision, kernels, other), \
                             torch.inference_mode():
@@ -341,7 +359,8 @@ def _measure(sat_model, precision: str, kernels: bool, steps: _Steps) -> _Measur
                 noisy = curve.noisy or any(c.noisy for c in others.values())
                 return _Measured(form, curve, rows, {f: c.fastest_one_token_s for f, c in others.items()}, noisy)
             steps.state.total += 1  # the next form's curve and row check, before the others' one-token passes
-        steps.state.total -= len(exact_forms(precision))  # none checked out: the routed form's one step instead
+        steps.state.total -= len(exact_forms(precision)) + len(_routed_forms(precision)) - 1  # none checked out:
+        # the routed form's one step instead
     with steps.step(f"{precision} {ROUTED}: kernel plan, cost curve and row check"), \
             trying(sat_model, precision, kernels, ROUTED), torch.inference_mode():
         curve = measure_curve(sat_model)
@@ -440,16 +459,17 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     tuning = Tuning()
     stored = jsonfile.read_object(cache_file) or {}
     precisions = precisions_to_try(model, fixed_dtype)
+    if remeasure != "never" and kernels and next(model.parameters()).device.type == "cpu":
+        native.build()  # passes are timed as they will run (compiled once per machine, then loaded in a moment)
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
-                           model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels])
+                           model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels,
+                           exact_forms(p)])  # a tuning with the compiled form is for where it is built
             for p in precisions}
     kept = {p: _Measured.from_dict(stored.get(keys[p])) for p in precisions}
     fresh = [p for p in precisions if kept[p] is None or remeasure == "all"
              or (remeasure == "noisy" and kept[p].noisy)]
     if fresh and remeasure == "never":
         return None
-    if fresh and sat_model.adapter is not None and next(model.parameters()).device.type == "cpu":
-        sat_kernel.build()  # the draft passes are timed as they will run (compiled once per machine, then loaded)
     # "noisy": the kept run competes with the new ones; otherwise a precision measured now starts afresh
     found = {p: kept[p] if p not in fresh or remeasure == "noisy" else None for p in precisions}
     steps = _Steps(sum(_steps_per_precision(sat_model, p, kernels) for p in fresh) + REVISIT_ROUNDS * len(fresh),

@@ -9,6 +9,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The SAT rows' compiled update (sdsat/sat_kernel.py) is built in the background and taken up when ready, which
 # would change SAT logits by rounding in the middle of a test; tests/test_sat_kernel.py turns it on.
 os.environ.setdefault("SDSAT_SAT_KERNEL", "0")
+# The compiled attention form (sdsat/csrc/attend.cpp) is offered where the kernels are built; a tuning that builds
+# them takes half a minute per worker, so tests/test_compiled_attention.py alone turns it on.
+os.environ.setdefault("SDSAT_ATTENTION_KERNEL", "0")
 
 # pytest-xdist's workers share the cores: each worker, and every process it starts, gets its share of them.
 # Two pools of OpenMP workers that spin-wait on the same cores slow each other several-fold (a test that

@@ -286,7 +286,7 @@ def _load_baselines(args, forms: dict[str, str]) -> dict:
     precision), then put in a row-invariant form where that is the faster one."""
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
-    from ..tuning import EXACT_FORMS, set_precision
+    from ..tuning import ROUTED, set_precision
 
     baselines = {}
     for precision, form in forms.items():
@@ -296,7 +296,7 @@ def _load_baselines(args, forms: dict[str, str]) -> dict:
                                                SatSource(adapter=args.adapter))
         except (ModelLoadError, ValueError) as err:
             raise _Refused(f"--baseline-precisions {precision}: {err}") from None
-        if form in EXACT_FORMS:
+        if form != ROUTED:  # a plain start's form is the routed one
             set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form)
     return baselines
 

@@ -26,16 +26,20 @@ from ..decoding import GenerationResult
 from ..engine import Engine
 from ..hardware import hardware_line
 from ..planner import Settings, predict
-from ..tuning import INVARIANT, KEYED, PER_ROW, ROUTED, TuneProgress, Tuning, dtype_name, form_of
+from ..tuning import (COMPILED, INVARIANT, KEYED, PER_ROW, ROUTED, ROUTED_COMPILED, TuneProgress, Tuning, dtype_name,
+                      form_of)
 from . import figures
 from .presets import PAGE_SAMPLING
 from .presets import auto_settings
 from .render import esc
 from .zerogpu import on_zero_gpu
 
+# what a form timed for vanilla alone is
 OTHER_FORMS = {ROUTED: "the fastest kernel per row count", PER_ROW: "attention one row at a time",
                INVARIANT: "attention in fixed-shape tiles",
-               KEYED: "attention cut by key counts"}  # what a form timed for vanilla alone is
+               KEYED: "attention cut by key counts",
+               COMPILED: "attention compiled on this machine",
+               ROUTED_COMPILED: "the fastest kernel per row count, attention compiled on this machine"}
 
 NOT_MEASURED = "This machine's pass costs were not measured"
 ON_ZERO_GPU = ("on ZeroGPU, where a GPU is attached only during a request, so auto keeps its default settings "

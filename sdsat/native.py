@@ -1,0 +1,111 @@
+"""The project's C++ kernels for the CPU (sdsat/csrc), compiled on the machine that runs them.
+
+Two kernels share one extension: the SAT rows' low-rank update (`sat_kernel.py`) and the compiled form's
+attention (`attention.py`). Each is small arithmetic where PyTorch's per-op setup costs more than the work.
+They are compiled with `-march=native` by torch's C++ extension loader (which needs a C++ compiler and ninja)
+into the cache folder, keyed by the sources, torch's version and the CPU, so another machine sharing the folder
+builds its own. Compiling takes about half a minute on two cores, so it never sits on a first start's path:
+`start_build` runs it on a thread of its own, and the tuner (itself in the background) waits for it. Where it
+cannot be built, each caller keeps its PyTorch path, and the failure is said once in the log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from .default_model import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("sat_update.cpp", "attend.cpp")
+FUNCTIONS = ("sat_update", "attend", "applies")
+CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+
+_module = None  # the loaded extension, once built
+_failed: str | None = None  # why it could not be built, once tried
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+
+
+def module():
+    """The extension, or None while it is not built (or cannot be)."""
+    return _module
+
+
+def build():
+    """Compile (or load from the cache folder) and return the extension; None where it cannot be built (said
+    once in the log). Safe to call from several threads: one builds, the others wait for it."""
+    global _module, _failed
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        digest, sources = _digest()
+        folder = _folder(digest)
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            folder.mkdir(parents=True, exist_ok=True)
+            _put_on_path(Path(sys.executable).parent)  # pip's ninja, where the environment is not activated
+            _module = load_inline(f"sdsat_native_{digest}", cpp_sources=sources, functions=list(FUNCTIONS),
+                                  extra_cflags=list(CFLAGS), build_directory=str(folder), verbose=False)
+        except Exception as err:  # no compiler, no ninja, a read-only cache: the callers' PyTorch paths remain
+            _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            log.info("the compiled kernels are not available here (%s); using PyTorch's ops", _failed)
+        return _module
+
+
+def built() -> bool:
+    """Whether the extension is loaded, or compiled for this machine in the cache folder (loading it then takes
+    a fraction of a second): what a tuning measured with it needs, checked without building."""
+    if _module is not None:
+        return True
+    if _failed is not None:
+        return False
+    digest, _ = _digest()
+    return (_folder(digest) / f"sdsat_native_{digest}.so").is_file()
+
+
+def start_build() -> None:
+    """`build` on a daemon thread, once per process, unless it is done."""
+    global _thread
+    if _module is not None or _failed is not None or _thread is not None:
+        return
+    _thread = threading.Thread(target=build, name="sdsat-native-build", daemon=True)
+    _thread.start()
+
+
+def _digest() -> tuple[str, list[str]]:
+    folder = Path(__file__).resolve().parent / "csrc"
+    sources = [(folder / name).read_text() for name in SOURCES]
+    key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, _cpu_key()])
+    return hashlib.sha256(key.encode()).hexdigest()[:16], sources
+
+
+def _folder(digest: str) -> Path:
+    return cache_dir() / "kernels" / f"native-{digest}"
+
+
+def _put_on_path(folder: Path) -> None:
+    """Let subprocesses (torch's build runs `ninja`) find the programs in `folder`."""
+    path = os.environ.get("PATH", "")
+    if str(folder) not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([str(folder), path]) if path else str(folder)
+
+
+def _cpu_key() -> str:
+    """What `-march=native` compiles for: the CPU's model name and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
