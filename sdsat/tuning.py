@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import transformers
 
-from . import attention, cpu_kernels, jsonfile, native
+from . import attention, cpu_kernels, jsonfile, native, sat_kernel
 from .costs import NOISY_SPREAD, CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
@@ -459,7 +459,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     tuning = Tuning()
     stored = jsonfile.read_object(cache_file) or {}
     precisions = precisions_to_try(model, fixed_dtype)
-    if remeasure != "never" and kernels and next(model.parameters()).device.type == "cpu":
+    if (remeasure != "never" and kernels and next(model.parameters()).device.type == "cpu"
+            and (attention.compiled_enabled() or sat_kernel.enabled())):
         native.build()  # passes are timed as they will run (compiled once per machine, then loaded in a moment)
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
                            model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdsat import sat_kernel
+from sdsat import native, sat_kernel
 from sdsat.decoding import DecodeConfig
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from test_decoding import FAVOURITE, MAX_K, favourite_llama
@@ -17,7 +17,7 @@ def kernel(monkeypatch):
     monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
     module = sat_kernel.build()
     if module is None:
-        pytest.skip(f"the compiled update cannot be built on this machine ({sat_kernel._failed})")
+        pytest.skip(f"the compiled update cannot be built on this machine ({native._failed})")
     return module
 
 
@@ -83,16 +83,16 @@ def test_where_it_cannot_be_built_the_ops_do_the_work(monkeypatch, caplog):
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
-    monkeypatch.setattr(sat_kernel, "_module", None)
-    monkeypatch.setattr(sat_kernel, "_failed", None)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failed", None)
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
-    with caplog.at_level("INFO", logger="sdsat.sat_kernel"):
+    with caplog.at_level("INFO", logger="sdsat.native"):
         assert sat_kernel.build() is None and sat_kernel.build() is None
-    assert sat_kernel.compiled() is None
+    assert sat_kernel.compiled() is None and not native.built()
     assert sum("not available here" in r.message for r in caplog.records) == 1
     assert "Ninja is required" in caplog.records[0].getMessage()
     sat_model = seven_projection_model(torch.float32)

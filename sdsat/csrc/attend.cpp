@@ -119,8 +119,7 @@ static void attend_all(const torch::Tensor& query, const torch::Tensor& key, con
   for (int64_t r = 0; r < R; ++r) widest = cp[r] > widest ? cp[r] : widest;
   const int64_t qs1 = query.stride(1), qs2 = query.stride(2), ks1 = key.stride(1), ks2 = key.stride(2),
                 vs1 = value.stride(1), vs2 = value.stride(2);
-  const int64_t grain = R * widest * H * D < (1 << 20) ? R : 1;  // small passes on the calling thread alone
-  at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
+  auto rows = [&](int64_t begin, int64_t end) {
     std::vector<float> q(G * D), scores(G * ((widest + L - 1) / L * L));
     for (int64_t r = begin; r < end; ++r) {
       const int64_t* idx = gathered ? ip + r * W : nullptr;
@@ -135,7 +134,13 @@ static void attend_all(const torch::Tensor& query, const torch::Tensor& key, con
             scores.data(), op + (r * H + h * G) * D);
       }
     }
-  });
+  };
+  // a decoding pass's few rows on the calling thread (handing them to another costs more than they do); a long
+  // prompt's rows split between threads, which changes no row's bits
+  if (R * widest * H * D < (int64_t{1} << 20))
+    rows(0, R);
+  else
+    at::parallel_for(0, R, 1, rows);
 }
 
 }  // namespace
