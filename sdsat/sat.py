@@ -137,6 +137,7 @@ class SatAdapter(nn.Module):
         self._last_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # see _position_mask
         self._scaled_b: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}  # see _scaled
         self._kernel_ab: dict[str, tuple] = {}  # see _kernel_weights
+        self._kernel = None  # sat_kernel.compiled(), read when the hooks go in (not in each of a pass's 140 hooks)
 
     @property
     def scale(self) -> float:
@@ -208,6 +209,7 @@ class SatAdapter(nn.Module):
         """The SAT hooks in place for a pass with SAT rows: put in by the first such pass, taken out by the last."""
         with self._lock:
             if not self._passes:
+                self._kernel = sat_kernel.compiled()
                 self._handles = [module.register_forward_pre_hook(hook, with_kwargs=True) if pre
                                  else module.register_forward_hook(hook) for module, hook, pre in self._hooks]
             self._passes += 1
@@ -253,12 +255,13 @@ class SatAdapter(nn.Module):
             if current is None:
                 return None
             start, x = current[0], inputs[0]
+            decoding = output.shape[0] == 1 and not torch.is_grad_enabled()
+            kernel = self._kernel
+            if (decoding and kernel is not None and not self.config.per_position
+                    and kernel.sat_update(output, x, start, *self._kernel_weights(key))):
+                return output  # one call, where it applies (sat_kernel.py)
             a, b = self.lora_a[key], self.lora_b[key]
-            if output.shape[0] == 1 and not torch.is_grad_enabled():
-                kernel = sat_kernel.compiled()
-                if (kernel is not None and not self.config.per_position
-                        and kernel.sat_update(output, x, start, *self._kernel_weights(key))):
-                    return output  # one call, where it applies (sat_kernel.py)
+            if decoding:
                 # Decoding: this hook runs for every adapted layer of a draft pass, so each op counts on a CPU:
                 # the SAT rows' input is cast once for the layers that share it (q/k/v, gate/up), the scale
                 # is folded into B, and the float32 update of a bfloat16 model is added without a cast.

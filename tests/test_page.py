@@ -373,6 +373,17 @@ def test_chat_api_takes_the_history_and_checks_against_vanilla(server):
         client.predict("Hi", [], max_new_tokens=500, api_name="/chat")
 
 
+def _first_current_suite() -> tuple[str, dict]:
+    """The Benchmark tab's first current suite (assets/bench/suites.json): its folder and the summary row of its
+    paper's-scheme chain (k = 3)."""
+    import json
+
+    bench = Path(__file__).resolve().parent.parent / "assets" / "bench"
+    folder = json.loads((bench / "suites.json").read_text())["current"][0]["folder"]
+    rows = json.loads((bench / folder / "summary.json").read_text())["rows"]
+    return folder, next(row for row in rows if row["method"] == "sdsat_greedy k=3")
+
+
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium: make browser")
 def test_browser_benchmark_tab_leads_with_its_chart(server, browser):
     with _page(browser, server, viewport={"width": 1440, "height": 900}) as page:
@@ -386,13 +397,16 @@ def test_browser_benchmark_tab_leads_with_its_chart(server, browser):
         assert "measured on AMD EPYC, 2 cores" in intro and "Race tab measures your own run" in intro
         page.screenshot(path=str(SCREENS / "desktop_benchmark.png"))
         assert page.locator(".bench-table:visible").count() == 0  # folded
+        folder, chain = _first_current_suite()
         page.get_by_text("HumanEval 16–35, greedy").first.click()  # the first current suite
         table = page.locator(".bench-table:visible").first
         table.wait_for(timeout=10_000)
-        assert "1.42×" in table.inner_text() and "0.64 · 0.39" in table.inner_text()
-        assert "[0.64" not in page.locator("body").inner_text()
+        speedup, accepted = chain["speed-up vs fastest vanilla (median)"], chain["acceptance by draft position"]
+        assert f"{speedup:.2f}×" in table.inner_text()
+        assert f"{accepted[0]:.2f} · {accepted[1]:.2f}" in table.inner_text()  # the chain's acceptance, as a list
+        assert f"[{accepted[0]}" not in page.locator("body").inner_text()
         files = page.locator("body").inner_text()
-        assert "stage4-humaneval-16-35-results" in files and "stage4-humaneval-16-35-summary" in files  # by folder
+        assert f"{folder}-results" in files and f"{folder}-summary" in files  # its files, named by folder
         assert page.get_by_text("HumanEval, all 164 problems").count() == 0 or \
             not page.get_by_text("HumanEval, all 164 problems").first.is_visible()  # older suites: under History
         page.locator("#bench-history").get_by_text("History:").first.click()
