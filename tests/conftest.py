@@ -69,6 +69,31 @@ def tiny_llama():
     return make_tiny_llama()
 
 
+def tree_seen(parents: list[int], cached: int) -> torch.Tensor:
+    """(nodes, cached + nodes) boolean: the keys each node of a draft tree sees (the cache, its ancestors, itself);
+    parents[i] is node i's parent, -1 for the root."""
+    seen = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
+    seen[:, :cached] = True
+    for node in range(len(parents)):
+        ancestor = node
+        while ancestor >= 0:
+            seen[node, cached + ancestor], ancestor = True, parents[ancestor]
+    return seen
+
+
+@pytest.fixture
+def native_kernels(monkeypatch):
+    """The compiled kernels (sdsat/native.py) with both switched on; skipped where they cannot be built."""
+    from sdsat import native
+
+    monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
+    monkeypatch.setenv("SDSAT_ATTENTION_KERNEL", "1")
+    module = native.build()
+    if module is None:
+        pytest.skip(f"the compiled kernels cannot be built on this machine ({native._failed})")
+    return module
+
+
 @pytest.fixture(scope="session")
 def default_engine():
     """The embedded default model with its shipped SATs, loaded once per test session."""

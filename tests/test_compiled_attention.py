@@ -10,33 +10,19 @@ import torch
 from sdsat import attention, native, tuning
 from sdsat.costs import check_rows
 from sdsat.decoding import DecodeConfig
+from conftest import tree_seen
 
 NO_INDEX = torch.empty(0, dtype=torch.long)
 
 
 @pytest.fixture
-def kernel(monkeypatch):
-    monkeypatch.setenv("SDSAT_ATTENTION_KERNEL", "1")
-    module = native.build()
-    if module is None:
-        pytest.skip(f"the compiled kernels cannot be built on this machine ({native._failed})")
-    return module
+def kernel(native_kernels):
+    return native_kernels
 
 
 def _attend(query, key, value, seen):
     return attention.compiled_attention(None, query, key, value, None if seen is None else seen[None, None],
                                         0.125)[0]
-
-
-def _tree_mask(parents: list[int], cached: int) -> torch.Tensor:
-    """(nodes, cached + nodes): each node sees the cache, its ancestors and itself."""
-    seen = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
-    seen[:, :cached] = True
-    for node in range(len(parents)):
-        ancestor = node
-        while ancestor >= 0:
-            seen[node, cached + ancestor], ancestor = True, parents[ancestor]
-    return seen
 
 
 @pytest.mark.parametrize("precision", tuning.CPU_PRECISIONS)
@@ -63,7 +49,7 @@ def test_each_row_is_the_same_token_alone_and_the_result_is_attention(kernel, pr
                                    atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
     parents = [-1, 0, 1, 2, 1, 2, 1, 2, 4]  # a draft tree: runner-ups of nodes 1, 2 and 4
     for cached in (40, 64 - len(parents)):
-        seen = _tree_mask(parents, cached)
+        seen = tree_seen(parents, cached)
         query = torch.randn(1, heads, len(parents), dim).to(dtype)
         key, value = (torch.randn(1, kv_heads, seen.shape[1], dim).to(dtype) for _ in range(2))
         out = _attend(query, key, value, seen)

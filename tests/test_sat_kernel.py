@@ -13,12 +13,9 @@ from test_decoding import FAVOURITE, MAX_K, favourite_llama
 
 
 @pytest.fixture
-def kernel(monkeypatch):
-    monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
-    module = sat_kernel.build()
-    if module is None:
-        pytest.skip(f"the compiled update cannot be built on this machine ({native._failed})")
-    return module
+def kernel(native_kernels, monkeypatch):
+    monkeypatch.setenv("SDSAT_ATTENTION_KERNEL", "0")  # the update alone
+    return native_kernels
 
 
 def seven_projection_model(dtype: torch.dtype) -> SatModel:

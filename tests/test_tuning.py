@@ -12,7 +12,7 @@ from sdsat import attention as sdsat_attention
 from sdsat import cpu_kernels, tuning
 from sdsat.costs import check_rows, measure_curve
 from sdsat.decoding import DecodeConfig, collect, decode
-from conftest import measure_quickly, quick_curve
+from conftest import measure_quickly, quick_curve, tree_seen
 from test_decoding import KINDS, TOKENIZER, make_sat_model, random_prompts
 
 
@@ -213,12 +213,7 @@ def test_tiled_attention_gives_each_row_as_alone_across_tiles_key_blocks_and_tre
     # caches whose runner-ups fall in one key block, in two (one batched call each), or fill one exactly.
     parents = [-1, 0, 1, 2, 1, 2, 1, 2, 4]
     for cached in (40, block - 3, block - len(parents)):
-        seen = torch.zeros(len(parents), cached + len(parents), dtype=torch.bool)
-        seen[:, :cached] = True
-        for node in range(len(parents)):
-            ancestor = node
-            while ancestor >= 0:
-                seen[node, cached + ancestor], ancestor = True, parents[ancestor]
+        seen = tree_seen(parents, cached)
         query = torch.randn(1, heads, len(parents), dim).to(dtype)
         key, value = (torch.randn(1, kv_heads, seen.shape[1], dim).to(dtype) for _ in range(2))
         out = _attend(attend, query, key, value, seen)
