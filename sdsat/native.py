@@ -11,6 +11,7 @@ cannot be built, each caller keeps its PyTorch path, and the failure is said onc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -81,6 +82,7 @@ def start_build() -> None:
     _thread.start()
 
 
+@functools.lru_cache(maxsize=1)
 def _digest() -> tuple[str, list[str]]:
     folder = Path(__file__).resolve().parent / "csrc"
     sources = [(folder / name).read_text() for name in SOURCES]
