@@ -4,7 +4,7 @@ Greedy SDSAT reproduces vanilla decoding only if a token's logits come out the s
 computed alone (vanilla) or as one row of a verify block. Batched attention breaks that: a block's
 row also "sees" the keys masked out for it, so its softmax sum and its product with the values run
 over a longer axis than the same row alone, and the kernels pick their order of operations by the
-shapes (how many rows, how many keys, how the threads split them). Three ways around it:
+shapes (how many rows, how many keys, how the threads split them). Four ways around it:
 
 * Tiled (`TILED`): every attention call has the same shape, whatever the block. Rows go in tiles of
   `TILE_ROWS` (a short tile padded with zero queries); a row's keys are padded, masked, to the next
@@ -28,7 +28,7 @@ shapes (how many rows, how many keys, how the threads split them). Three ways ar
   bfloat16 inputs. Offered only where the extension is built; models it does not take (soft-capped scores,
   other head sizes) attend one row at a time, as the per-row form does, in every pass alike.
 
-All three cut a draft tree's node to its own keys (the cache, then its ancestors) before attending. The tiled and
+All four cut a draft tree's node to its own keys (the cache, then its ancestors) before attending. The tiled and
 keyed forms run on one thread whatever torch's thread count: their products are a few thousand multiply-adds
 per head, less than what handing half of them to a second core costs (on 2 busy cores a one-row pass's
 attention took 2 to 3 times as long on two threads as on one). Their results do not depend on it.
@@ -37,9 +37,8 @@ attention took 2 to 3 times as long on two threads as on one). Their results do 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -366,6 +365,8 @@ def compiled_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         raise RuntimeError("the compiled attention form needs the compiled kernels (sdsat/native.py)")
     _check(query)
     if (kwargs.get("softcap") or query.dtype not in (torch.float32, torch.bfloat16) or query.device.type != "cpu"
+            or value.shape != key.shape or key.shape[3] != query.shape[3]
+            or any(x.stride(3) != 1 for x in (query, key, value))
             or not kernel.applies(query.shape[1], key.shape[1], query.shape[3])):
         return per_row_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     counts, index = _rows_of(attention_mask, query.shape[2], key.shape[2])
@@ -385,6 +386,8 @@ def _rows_of(attention_mask: torch.Tensor | None, rows: int, keys: int) -> tuple
         return last[2], last[3]
     if attention_mask is None:  # causal
         counts, index = torch.arange(keys - rows + 1, keys + 1), _NO_INDEX
+    elif attention_mask.shape[-1] != keys:
+        raise ValueError(f"the attention mask covers {attention_mask.shape[-1]} keys, the cache holds {keys}")
     else:
         seen = attention_mask[0, 0]
         seen = (seen if seen.dtype == torch.bool else seen == 0).cpu()

@@ -25,8 +25,7 @@ from .default_model import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("sat_update.cpp", "attend.cpp")
-FUNCTIONS = ("sat_update", "attend", "applies")
+SOURCES = ("sat_update.cpp", "attend.cpp", "bindings.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 
 _module = None  # the loaded extension, once built
@@ -48,14 +47,17 @@ def build():
         if _module is not None or _failed is not None:
             return _module
         digest, sources = _digest()
-        folder = _folder(digest)
+        name, folder = f"sdsat_native_{digest}", _folder(digest)
         try:
-            from torch.utils.cpp_extension import load_inline
+            if (folder / f"{name}.so").is_file():  # built before: imported as it is (no ninja, no build lock)
+                _module = _import(name, folder / f"{name}.so")
+            else:
+                from torch.utils.cpp_extension import load_inline
 
-            folder.mkdir(parents=True, exist_ok=True)
-            _put_on_path(Path(sys.executable).parent)  # pip's ninja, where the environment is not activated
-            _module = load_inline(f"sdsat_native_{digest}", cpp_sources=sources, functions=list(FUNCTIONS),
-                                  extra_cflags=list(CFLAGS), build_directory=str(folder), verbose=False)
+                folder.mkdir(parents=True, exist_ok=True)
+                _put_on_path(Path(sys.executable).parent)  # pip's ninja, where the environment is not activated
+                _module = load_inline(name, cpp_sources=sources, extra_cflags=list(CFLAGS),
+                                      build_directory=str(folder), verbose=False)
         except Exception as err:  # no compiler, no ninja, a read-only cache: the callers' PyTorch paths remain
             _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
             log.info("the compiled kernels are not available here (%s); using PyTorch's ops", _failed)
@@ -71,6 +73,18 @@ def built() -> bool:
         return False
     digest, _ = _digest()
     return (_folder(digest) / f"sdsat_native_{digest}.so").is_file()
+
+
+def _import(name: str, path: Path):
+    """A compiled extension from its file (torch is imported already, so its libraries resolve)."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def start_build() -> None:

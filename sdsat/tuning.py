@@ -141,17 +141,17 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     attention, KEYED and COMPILED those products and the keyed or compiled attention (attention.py). Elsewhere
     the products are nn.Linear's and the attention SDPA."""
     model = sat_model.model
+    on_cpu = kernels and next(model.parameters()).device.type == "cpu"
+    if on_cpu and form in (COMPILED, ROUTED_COMPILED) and native.build() is None:  # before anything is changed
+        raise RuntimeError(f"the {form} form needs the compiled kernels, which cannot be built here")
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
     buffers = _float_buffers(model)  # the rotary frequencies: .to() would round them to `dtype` for good
     model.to(dtype)
     _put_buffers(model, buffers)
-    on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form in EXACT_FORMS and on_cpu
-    if on_cpu and form in (COMPILED, ROUTED_COMPILED) and native.build() is None:
-        raise RuntimeError(f"the {form} form needs the compiled kernels, which cannot be built here")
     tiled, keyed, per_row, compiled = attention.register()
     names = {INVARIANT: tiled, KEYED: keyed, PER_ROW: per_row, COMPILED: compiled, ROUTED_COMPILED: compiled}
     model.set_attn_implementation(names[form] if on_cpu and form in names else "sdpa")
@@ -352,7 +352,7 @@ def _measure(sat_model, precision: str, kernels: bool, steps: _Steps) -> _Measur
             if rows.invariant:
                 others = {}
                 for other in [f for f in exact_forms(precision) if f != form] + _routed_forms(precision):
-                    what = "kernel plan and one-token pass" if other == ROUTED else "one-token pass"
+                    what = "kernel plan and one-token pass" if other in (ROUTED, ROUTED_COMPILED) else "one-token pass"
                     with steps.step(f"{precision} {other}: {what}"), trying(sat_model, precision, kernels, other), \
                             torch.inference_mode():
                         others[other] = _one_token_pass(sat_model)

@@ -26,7 +26,7 @@ def _attend(query, key, value, seen):
 
 
 @pytest.mark.parametrize("precision", tuning.CPU_PRECISIONS)
-@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 128), (4, 2, 32)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 128), (4, 2, 32), (16, 2, 256)])
 def test_each_row_is_the_same_token_alone_and_the_result_is_attention(kernel, precision, heads, kv_heads, dim):
     torch.manual_seed(0)
     dtype, rows = getattr(torch, precision), 11
@@ -61,6 +61,38 @@ def test_each_row_is_the_same_token_alone_and_the_result_is_attention(kernel, pr
             query.float(), key.float(), value.float(), attn_mask=seen, scale=0.125, enable_gqa=True)
         torch.testing.assert_close(out.float(), reference.transpose(1, 2),
                                    atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-2)
+
+
+def test_a_long_prompt_split_between_threads_gives_each_row_as_alone(kernel):
+    """A prompt's pass big enough to be split between threads: every row as the same token alone (on the
+    calling thread), so threads change no bits."""
+    torch.manual_seed(2)
+    rows, cached, threads = 64, 200, torch.get_num_threads()
+    query = torch.randn(1, 9, rows, 64).to(torch.bfloat16)
+    key, value = (torch.randn(1, 3, cached + rows, 64).to(torch.bfloat16) for _ in range(2))
+    torch.set_num_threads(2)
+    try:
+        out = _attend(query, key, value, None)
+        for t in range(0, rows, 7):
+            n = cached + t + 1
+            assert torch.equal(out[:, t], _attend(query[:, :, t:t + 1], key[:, :, :n], value[:, :, :n], None)[:, 0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_built_extension_loads_from_its_file_without_ninja_or_a_build(kernel, monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_build)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_failed", None)
+    assert native.built()
+    module = native.build()
+    assert module is not None and module.applies(9, 3, 64) and not module.applies(9, 3, 48)
 
 
 def test_bad_rows_are_refused_not_read_past_the_cache(kernel):

@@ -75,13 +75,14 @@ def test_greedy_decoding_with_the_compiled_update_is_identical_to_vanilla(kernel
     assert len(sdsat.token_ids) / len(sdsat.steps) > 1.3
 
 
-def test_where_it_cannot_be_built_the_ops_do_the_work(monkeypatch, caplog):
+def test_where_it_cannot_be_built_the_ops_do_the_work(monkeypatch, caplog, tmp_path):
     """A failed build (no compiler, no ninja) is said once in the log and leaves decoding on PyTorch's ops."""
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "_failed", None)
+    monkeypatch.setattr(native, "_folder", lambda digest: tmp_path / digest)  # a machine it was never built on
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")

@@ -255,7 +255,7 @@ def _prepare(args) -> _Bench:
 
 def baseline_precisions(args, engine) -> dict[str, str]:
     """The precisions vanilla also runs in, each on an engine of its own, and the kernel form it runs in there
-    (tuning.ROUTED or one of EXACT_FORMS); none without vanilla.
+    (tuning.ROUTED, tuning.ROUTED_COMPILED or one of EXACT_FORMS); none without vanilla.
 
     Each precision runs in the form the tuning timed fastest for a one-token pass, or the routed form a plain
     start loads when there is no tuning (no auto recipe) or it did not time the routed form. The main engine's
@@ -283,7 +283,7 @@ def baseline_precisions(args, engine) -> dict[str, str]:
 
 def _load_baselines(args, forms: dict[str, str]) -> dict:
     """An engine per baseline precision, loaded as a plain start loads it (its own kernel plan for that
-    precision), then put in a row-invariant form where that is the faster one."""
+    precision), then put in the form the tuning timed fastest where that is not the routed one."""
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
     from ..tuning import ROUTED, set_precision

@@ -32,8 +32,8 @@ static inline float hsum(v16f x) {  // one fixed order of additions
 }
 
 static inline v16f vexp(v16f x) {  // e^x for x <= 0, about 1e-7 relative; below -87 it gives e^-87
-  const v16f lo = x - x - 87.f;
-  x = x < lo ? lo : x;
+  const v16f zero = {};
+  x = x < zero - 87.f ? zero - 87.f : x;
   const v16f t = x * 1.44269504088896341f;
   v16i n = __builtin_convertvector(t, v16i);  // toward zero
   n += (v16i)(__builtin_convertvector(n, v16f) > t);  // -1 where that rounded up: floor
@@ -50,9 +50,11 @@ static inline v16f vexp(v16f x) {  // e^x for x <= 0, about 1e-7 relative; below
 // One query row over its n keys for the G query heads of one key head (G <= 8, D a multiple of 16, D <= 256).
 // q (G, D) float32; keys and values rows idx[s] (or s); scores room for G * padded n floats. Every sum runs in
 // one fixed order whatever else the call holds, so a row's bits depend on its query and its keys alone.
+// Not inlined: a pass's rows on the calling thread and a long prompt's on worker threads run one compiled body,
+// so one contraction of products into fused multiply-adds.
 template <typename T, int V>
-static void attend_row(const float* q, int64_t G, int64_t D, const T* k, const T* v, int64_t kstride,
-                       int64_t vstride, const int64_t* idx, int64_t n, float scaling, float* scores, T* out) {
+__attribute__((noinline)) static void attend_row(const float* q, int64_t G, int64_t D, const T* k, const T* v,
+                                                 int64_t kstride, int64_t vstride, const int64_t* idx, int64_t n, float scaling, float* scores, T* out) {
   const int64_t width = (n + L - 1) / L * L;
   v16f qv[8 * 16];
   for (int64_t g = 0; g < G; ++g)
