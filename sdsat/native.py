@@ -49,7 +49,9 @@ def build():
         digest, sources = _digest()
         name, folder = f"sdsat_native_{digest}", _folder(digest)
         try:
-            if (folder / f"{name}.so").is_file():  # built before: imported as it is (no ninja, no build lock)
+            # built before: imported as it is (no ninja needed); while another process builds it (torch's lock file
+            # is there, the library maybe half written), torch's loader waits for that build
+            if (folder / f"{name}.so").is_file() and not (folder / "lock").exists():
                 _module = _import(name, folder / f"{name}.so")
             else:
                 from torch.utils.cpp_extension import load_inline
