@@ -53,6 +53,9 @@ COMPILED, KEYED, INVARIANT, PER_ROW, ROUTED = ("row-invariant compiled", "row-in
 ROUTED_COMPILED = "routed, compiled attention"  # vanilla alone: the routed products with the compiled attention
 EXACT_FORMS = (COMPILED, KEYED, INVARIANT, PER_ROW)  # tried in this order (see exact_forms); the first whose rows
 # check bit-equal is SDSAT's
+# The attention each form sets on a CPU (attention.py; ROUTED's is SDPA)
+ATTENTION_OF = {COMPILED: attention.COMPILED, KEYED: attention.KEYED, INVARIANT: attention.TILED,
+                PER_ROW: attention.PER_ROW, ROUTED_COMPILED: attention.COMPILED}
 _FORMAT = 9
 MEASURE_ROUNDS = 2  # a noisy curve: the precisions measured now are measured once more (see `tune`)
 # After the curves, every form's one-token pass is timed again in this many rounds (see `_time_again`), each of
@@ -152,9 +155,8 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form in EXACT_FORMS and on_cpu
-    tiled, keyed, per_row, compiled = attention.register()
-    names = {INVARIANT: tiled, KEYED: keyed, PER_ROW: per_row, COMPILED: compiled, ROUTED_COMPILED: compiled}
-    model.set_attn_implementation(names[form] if on_cpu and form in names else "sdpa")
+    attention.register()
+    model.set_attn_implementation(ATTENTION_OF[form] if on_cpu and form in ATTENTION_OF else "sdpa")
     if invariant:
         cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     elif on_cpu:
@@ -195,8 +197,7 @@ def in_form(sat_model, precision: str, kernels: bool, form: str) -> bool:
 def form_of(model: torch.nn.Module) -> str:
     plan = cpu_kernels.installed_plan(model)
     attn = model.config._attn_implementation
-    names = {attention.TILED: INVARIANT, attention.KEYED: KEYED, attention.PER_ROW: PER_ROW,
-             attention.COMPILED: COMPILED}
+    names = {attention_name: form for form, attention_name in ATTENTION_OF.items() if form in EXACT_FORMS}
     if plan is None or not plan.invariant or attn not in names:
         return ROUTED_COMPILED if attn == attention.COMPILED else ROUTED
     return names[attn]

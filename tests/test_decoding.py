@@ -628,11 +628,8 @@ def test_the_sat_hooks_are_in_place_only_during_a_pass_with_sat_rows():
     assert hooked_modules() == 0
 
 
-@pytest.mark.parametrize("per_position", [False, True])
-def test_the_decoding_path_of_every_llama_layer_matches_the_training_path(per_position):
-    """All seven Llama projections adapted (as the shipped adapter is), shared and per-position updates: SAT
-    logits equal the training path's to float32 rounding, also after B is trained in place; standard rows are
-    bit-equal to the base model's."""
+def seven_projection_model(per_position: bool = False, b_scale: float = 0.01) -> SatModel:
+    """The favourite Llama with all seven projections adapted (as the shipped adapter is), B random."""
     model = favourite_llama()
     config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
                            num_layers=model.config.num_hidden_layers, num_sats=MAX_K, rank=4,
@@ -642,8 +639,17 @@ def test_the_decoding_path_of_every_llama_layer_matches_the_training_path(per_po
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for b in adapter.lora_b.values():
-            b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
-    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), adapter)
+            b.copy_(torch.randn(b.shape, generator=gen) * b_scale)
+    return SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), adapter)
+
+
+@pytest.mark.parametrize("per_position", [False, True])
+def test_the_decoding_path_of_every_llama_layer_matches_the_training_path(per_position):
+    """All seven Llama projections adapted (as the shipped adapter is), shared and per-position updates: SAT
+    logits equal the training path's to float32 rounding, also after B is trained in place; standard rows are
+    bit-equal to the base model's."""
+    sat_model = seven_projection_model(per_position)
+    model, adapter = sat_model.model, sat_model.adapter
     ids, slots = torch.tensor([[5, 7, 9, 1, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1, 2]])
     with torch.inference_mode():
         base = model(input_ids=ids).logits  # a block of the same shape: its first rows are the standard rows'

@@ -8,8 +8,8 @@ import torch
 
 from sdsat import native, sat_kernel
 from sdsat.decoding import DecodeConfig
-from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
-from test_decoding import FAVOURITE, MAX_K, favourite_llama
+from sdsat.sat import SatModel
+from test_decoding import seven_projection_model as seven_projections
 
 
 @pytest.fixture
@@ -19,17 +19,8 @@ def kernel(native_kernels, monkeypatch):
 
 
 def seven_projection_model(dtype: torch.dtype) -> SatModel:
-    model = favourite_llama()
-    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
-                           num_layers=model.config.num_hidden_layers, num_sats=MAX_K, rank=4,
-                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    adapter = SatAdapter.for_model(model, config, init_token_id=FAVOURITE)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for b in adapter.lora_b.values():
-            b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
-    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), adapter)
-    model.to(dtype)  # the adapter stays float32, as after tuning.set_precision on a CPU
+    sat_model = seven_projections(b_scale=0.05)
+    sat_model.model.to(dtype)  # the adapter stays float32, as after tuning.set_precision on a CPU
     return sat_model
 
 

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tuning.set_precision(engine.sat_model, precision, not args.no_cpu_kernels, tuning.ROUTED)
     if args.compare_forms:
-        from .. import attention, native, tuning
+        from .. import native, tuning
 
         native.build()  # the compiled form is among the forms where it builds
         forms = tuning.exact_forms(precision)
@@ -166,10 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         if tuning.form_of(engine.model) != forms[-1]:
             print("error: --compare-forms needs a CPU whose torch runs the row-invariant products", file=sys.stderr)
             return 2
-        names = {tuning.KEYED: attention.KEYED, tuning.INVARIANT: attention.TILED, tuning.PER_ROW: attention.PER_ROW,
-                 tuning.COMPILED: attention.COMPILED}
         model = engine.model
-        settings = {form: (lambda name=names[form]: model.set_attn_implementation(name)) for form in forms}
+        settings = {form: (lambda name=tuning.ATTENTION_OF[form]: model.set_attn_implementation(name))
+                    for form in forms}
         results = measure_settings(engine, sizes, args.context, args.repeats, settings)
         text = compare_report(results, args.context) + "\n\n" + forms_summary(results)
     elif args.compare_sat_updates:
