@@ -45,6 +45,10 @@ INVARIANT_CHUNK = 768
 INVARIANT_ROWS = 32  # the plan's length; the invariant form serves every row count (a prompt's prefill too)
 PLAN_FILE = "cpu_kernels.json"  # the tuned plans, in the engine's cache folder (default_model.cache_dir)
 _PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
+# A routed layer calls `module.__dict__[AFTER](module, (x,), output)`, where set, after its product, as PyTorch calls
+# a forward hook (None keeps the output): the SAT adapter's update during a draft pass (sat.py), with no hook or
+# wrapper around the call (either costs a draft pass more than the update's own arithmetic).
+AFTER = "_sdsat_after"
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +302,11 @@ def uninstall(model: nn.Module) -> None:
             del module.forward, module._sdsat_choices, module._sdsat_packed
 
 
+def routed(module: nn.Module) -> bool:
+    """Whether `module` is a linear layer that `install` routed (its forward then calls AFTER, where set)."""
+    return "_sdsat_choices" in module.__dict__
+
+
 def installed_plan(model: nn.Module) -> KernelPlan | None:
     """The plan `install` routed `model` by, or None (not routed, or uninstalled)."""
     return getattr(model, "_sdsat_kernel_plan", None)
@@ -307,9 +316,15 @@ def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     invariant = self._sdsat_choices[0] == "invariant"  # every row count, a prompt's prefill included
     if not (1 <= rows <= len(self._sdsat_choices) or (invariant and rows)) or torch.is_grad_enabled():
-        return nn.functional.linear(x, self.weight, self.bias)
-    variant = "invariant" if invariant else self._sdsat_choices[rows - 1]
-    out = _product(variant, x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_packed)
-    if self.bias is not None:
-        out = out + self.bias
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+        out = nn.functional.linear(x, self.weight, self.bias)
+    else:
+        variant = "invariant" if invariant else self._sdsat_choices[rows - 1]
+        out = _product(variant, x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_packed)
+        if self.bias is not None:
+            out = out + self.bias
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+    after = self.__dict__.get(AFTER)
+    if after is not None:
+        changed = after(self, (x,), out)
+        return out if changed is None else changed
+    return out

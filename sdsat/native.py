@@ -25,7 +25,7 @@ from .default_model import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("sat_update.cpp", "attend.cpp", "bindings.cpp")
+SOURCES = ("vectors.h", "sat_update.cpp", "attend.cpp", "bindings.cpp")  # compiled as one unit, in this order
 CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
 
 _module = None  # the loaded extension, once built
@@ -75,6 +75,12 @@ def built() -> bool:
         return False
     digest, _ = _digest()
     return (_folder(digest) / f"sdsat_native_{digest}.so").is_file()
+
+
+def digest() -> str | None:
+    """What the extension is built from (sources, flags, torch, CPU), where it is built; else None: a tuning
+    measured with one build of the kernels is not another's."""
+    return _digest()[0] if built() else None
 
 
 def _import(name: str, path: Path):

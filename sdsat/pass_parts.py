@@ -39,25 +39,30 @@ class Split:
 
 
 class Timer:
-    """Adds the seconds spent in wrapped callables to their part; a call inside another of its own part (a
-    method calling another) is counted once, by the outer one."""
+    """Adds the seconds spent in wrapped callables to their part, each part's own time only: a call of another part
+    inside (the SAT update a routed product calls) counts for that part alone, and a call inside another of its own
+    part (a method calling another) is counted once, by the outer one."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
-        self._inside: set[str] = set()
+        self._open: list[list] = []  # the calls running, outermost first: [part, seconds spent in inner parts]
 
     def wrap(self, part: str, function: Callable) -> Callable:
         def timed(*args, **kwargs):
-            if part in self._inside:
+            if any(call[0] == part for call in self._open):
                 return function(*args, **kwargs)
-            self._inside.add(part)
+            call = [part, 0.0]
+            self._open.append(call)
             start = timing.now(self.device)
             try:
                 return function(*args, **kwargs)
             finally:
-                self.seconds[part] += timing.now(self.device) - start
-                self._inside.discard(part)
+                spent = timing.now(self.device) - start
+                self._open.pop()
+                self.seconds[part] += spent - call[1]
+                if self._open:
+                    self._open[-1][1] += spent
 
         return timed
 

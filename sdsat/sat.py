@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import sat_kernel
+from . import cpu_kernels, sat_kernel
 from .head import head_beside
 
 SPEC_FILE = "sat_spec.json"
@@ -111,7 +111,7 @@ class AdapterConfig:
 class SatAdapter(nn.Module):
     """Learned SAT embeddings plus low-rank updates (and, optionally, MLP neurons) that only touch SAT rows.
 
-    The updates are forward hooks on the base model's linear layers: ``y = W x + (x A) B * s`` on
+    The updates are hooks run after the base model's linear layers (`hooked`): ``y = W x + (x A) B * s`` on
     the SAT rows only (the tail of the block), so standard rows get ``W x`` untouched and stay
     bit-identical. With ``mlp_width`` > 0, a hook on each adapted layer's MLP adds ``(silu(x G) * (x U)) D`` to its
     SAT rows the same way. With ``inject_layer > 0`` a pre-hook adds the SAT embeddings to the SAT rows entering
@@ -130,13 +130,12 @@ class SatAdapter(nn.Module):
         # Input embedding of every SAT row when the SAT embeddings are injected higher up; fixed.
         self.register_buffer("base_embedding", torch.zeros(config.hidden_size))  # (H,)
         self._hooks: list[tuple[nn.Module, object, bool]] = []  # (module, hook, is a pre-hook): see `hooked`
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._installed: list = []  # what `hooked` put in: forwards with their hooks, pre-hook handles
         self._passes = 0  # passes with SAT rows running now (threads may share the model)
         self._lock = threading.Lock()
         self._last_input: tuple[torch.Tensor, int, torch.Tensor] | None = None  # see _sat_input
         self._last_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # see _position_mask
         self._scaled_b: dict[str, tuple[torch.Tensor, tuple, torch.Tensor]] = {}  # see _scaled
-        self._kernel_ab: dict[str, tuple] = {}  # see _kernel_weights
         self._kernel = None  # sat_kernel.compiled(), read when the hooks go in (not in each of a pass's 140 hooks)
 
     @property
@@ -206,12 +205,16 @@ class SatAdapter(nn.Module):
 
     @contextlib.contextmanager
     def hooked(self) -> Iterator[None]:
-        """The SAT hooks in place for a pass with SAT rows: put in by the first such pass, taken out by the last."""
+        """The SAT hooks in place for a pass with SAT rows: put in by the first such pass, taken out by the last.
+        A layer's hook runs inside its forward, not as a registered forward hook: a module with hooks takes
+        PyTorch's general call path, which costs more than a draft pass's small updates. A layer with routed CPU
+        kernels calls it itself (cpu_kernels.AFTER); any other gets a forward that calls it (`_ForwardHook`)."""
         with self._lock:
             if not self._passes:
-                self._kernel = sat_kernel.compiled()
-                self._handles = [module.register_forward_pre_hook(hook, with_kwargs=True) if pre
-                                 else module.register_forward_hook(hook) for module, hook, pre in self._hooks]
+                self._kernel = None if self.config.per_position else sat_kernel.compiled()
+                self._installed = [module.register_forward_pre_hook(hook, with_kwargs=True) if pre
+                                   else _AfterProduct(module, hook) if cpu_kernels.routed(module)
+                                   else _ForwardHook(module, hook) for module, hook, pre in self._hooks]
             self._passes += 1
         try:
             yield
@@ -219,9 +222,9 @@ class SatAdapter(nn.Module):
             with self._lock:
                 self._passes -= 1
                 if not self._passes:
-                    for handle in self._handles:
-                        handle.remove()
-                    self._handles = []
+                    for installed in reversed(self._installed):
+                        installed.remove()
+                    self._installed = []
 
     def input_embeddings(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, T) SAT slots -> (B, T, H) what the SAT rows feed into the first layer."""
@@ -247,18 +250,20 @@ class SatAdapter(nn.Module):
             self._hooks.clear()
         self._last_input = self._last_mask = None
         self._scaled_b.clear()
-        self._kernel_ab.clear()
 
     def _make_hook(self, key: str):
+        # what the compiled path reads, bound once: it runs for each of a draft pass's 140 adapted layers, where
+        # every lookup counts (the parameters by their dicts: a ParameterDict's item costs module attribute lookups)
+        lora_a, lora_b, scale = self.lora_a._parameters, self.lora_b._parameters, self.scale
+
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
             current = _SAT_ROWS.get()
             if current is None:
                 return None
             start, x = current[0], inputs[0]
             decoding = output.shape[0] == 1 and not torch.is_grad_enabled()
-            kernel = self._kernel
-            if (decoding and kernel is not None and not self.config.per_position
-                    and kernel.sat_update(output, x, start, *self._kernel_weights(key))):
+            kernel = self._kernel  # None with per-position updates (see `hooked`)
+            if decoding and kernel is not None and kernel.sat_update(output, x, start, lora_a[key], lora_b[key], scale):
                 return output  # one call, where it applies (sat_kernel.py)
             a, b = self.lora_a[key], self.lora_b[key]
             if decoding:
@@ -320,18 +325,6 @@ class SatAdapter(nn.Module):
         if kept is None or kept[0] is not b or kept[1] != stamp:
             kept = self._scaled_b[key] = (b, stamp, b.detach() * self.scale)
         return kept[2]
-
-    def _kernel_weights(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A transposed and the scaled B as contiguous float32 for sat_kernel, kept until either changes (as
-        `_scaled`)."""
-        # the parameters by their dicts: a ParameterDict's item costs a few module attribute lookups, 140 per pass
-        a, b = self._modules["lora_a"]._parameters[key], self._modules["lora_b"]._parameters[key]
-        stamp = (a.data_ptr(), a._version, b.data_ptr(), b._version, self.scale)
-        kept = self._kernel_ab.get(key)
-        if kept is None or kept[0] is not a or kept[1] is not b or kept[2] != stamp:
-            kept = self._kernel_ab[key] = (a, b, stamp, a.detach().float().t().contiguous(),
-                                           (b.detach().float() * self.scale).contiguous())
-        return kept[3], kept[4]
 
     def save(self, folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
         """Weights as `dtype`: float32 loads back bit-exactly, float16 halves the file (the shipped adapter)."""
@@ -446,6 +439,40 @@ def _cache_keyword(model_class: type) -> str:
 def call_with_cache(module: nn.Module, cache, **kwargs):
     """`module(**kwargs)` with `cache` (or None) passed by the keyword the model takes."""
     return module(**kwargs, use_cache=cache is not None, **{cache_keyword(module): cache})
+
+
+class _AfterProduct:
+    """`hook` called by a routed layer after its product (cpu_kernels.AFTER), until `remove`."""
+
+    def __init__(self, module: nn.Module, hook):
+        self.module = module
+        module.__dict__[cpu_kernels.AFTER] = hook
+
+    def remove(self) -> None:
+        self.module.__dict__.pop(cpu_kernels.AFTER, None)
+
+
+class _ForwardHook:
+    """`module`'s forward followed by `hook(module, args, output)` (which returns None or the output to use), as
+    PyTorch calls a forward hook, until `remove`. The forward wrapped is the one in place: routed kernels' or a
+    timer's, put back as it was."""
+
+    def __init__(self, module: nn.Module, hook):
+        self.module, self.previous = module, module.__dict__.get("forward")
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            output = inner(*args, **kwargs)
+            changed = hook(module, args, output)
+            return output if changed is None else changed
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        if self.previous is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.previous
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """One compiled call per adapted layer for the SAT rows' low-rank update of a draft pass on a CPU.
 
-Decoding adds ``(x A) B`` (B already scaled) to the SAT rows of each adapted linear's output. As PyTorch ops
+Decoding adds ``(x A) B`` times the LoRA scale to the SAT rows of each adapted linear's output. As PyTorch ops
 that is a cast, two small products and an add per layer, and inside a pass each such op costs about as much as
 its setup, whatever its size: the 140 updates of the default adapter made a draft pass cost about a third more
 than a plain pass as wide. This extension does the same arithmetic in one call (float32 products, the result
@@ -23,9 +23,9 @@ def enabled() -> bool:
 
 
 def compiled():
-    """The extension, or None while it is not built, off, or unbuildable. `sat_update(out, x, start, a_t, b)` adds
-    (x @ a_t.T) @ b to rows start.. of out in place: x (1, T, I) and out (1, T, O) of one dtype on the CPU, a_t
-    (R, I) and b (R, O) float32; False (nothing done) where those do not hold."""
+    """The extension, or None while it is not built, off, or unbuildable. `sat_update(out, x, start, a, b, scale)`
+    adds scale * (x @ a) @ b to rows start.. of out in place: x (1, T, I) and out (1, T, O) of one dtype on the CPU,
+    a (I, R) and b (R, O) contiguous, both float32 or both bfloat16; False (nothing done) where those do not hold."""
     return native.module() if enabled() else None
 
 

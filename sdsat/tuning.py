@@ -465,7 +465,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
         native.build()  # passes are timed as they will run (compiled once per machine, then loaded in a moment)
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
                            model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels,
-                           exact_forms(p)])  # a tuning with the compiled form is for where it is built
+                           exact_forms(p), native.digest()])  # passes timed with these kernels, built here
             for p in precisions}
     kept = {p: _Measured.from_dict(stored.get(keys[p])) for p in precisions}
     fresh = [p for p in precisions if kept[p] is None or remeasure == "all"

@@ -603,29 +603,70 @@ def test_the_decoding_path_of_the_sat_hooks_computes_the_training_paths_update(p
 
 def test_the_sat_hooks_are_in_place_only_during_a_pass_with_sat_rows():
     """A module with any hook takes PyTorch's slower call path: plain passes (vanilla's, verify passes) must
-    run on the bare model, while a draft pass finds every hook in place, also when another thread's draft pass
-    ends first."""
-    sat_model = make_sat_model("adapter")
+    run on the bare model, and a draft pass finds every SAT hook in place, also when another thread's draft pass
+    ends first. The layers' hooks run inside their forwards (no registered hook: no slow path for 140 layers);
+    only the injection's pre-hook is registered. Afterwards every forward is the module's own again."""
+    model = favourite_llama()
+    config = AdapterConfig(base_model="tiny", hidden_size=model.config.hidden_size,
+                           num_layers=model.config.num_hidden_layers, num_sats=MAX_K, rank=4, inject_layer=1)
+    sat_model = SatModel(model, SatSpec(kind="adapter", max_k=MAX_K), SatAdapter.for_model(model, config))
     adapter = sat_model.adapter
+    layers = [module for module, _, pre in adapter._hooks if not pre]
+    pre_hooks = len(adapter._hooks) - len(layers)
+    assert layers and pre_hooks == 1
 
-    def hooked_modules() -> int:
-        return sum(bool(m._forward_hooks or m._forward_pre_hooks) for m in sat_model.model.modules())
+    def in_place() -> tuple[int, int]:
+        """(modules with registered hooks, layers whose forward is wrapped)"""
+        registered = sum(bool(m._forward_hooks or m._forward_pre_hooks) for m in sat_model.model.modules())
+        return registered, sum("forward" in m.__dict__ for m in layers)
 
-    assert hooked_modules() == 0
+    assert in_place() == (0, 0)
     seen = []
-    probe = adapter._hooks[0][0].register_forward_hook(lambda *a: seen.append(hooked_modules()))
+    probe = sat_model.model.lm_head.register_forward_hook(lambda *a: seen.append(in_place()))
     ids, slots = torch.tensor([[5, 7, 9, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1]])
     with torch.inference_mode():
         sat_model.forward(ids)
         sat_model.forward(ids, slots)
     probe.remove()
-    assert seen == [1, len(adapter._hooks)]  # the probe alone, then the probe's module among the SAT hooks'
-    assert hooked_modules() == 0
+    assert seen == [(1, 0), (1 + pre_hooks, len(layers))]  # the probe alone, then the SAT hooks beside it
+    assert in_place() == (0, 0)
     with adapter.hooked():
         with adapter.hooked():
-            assert hooked_modules() == len(adapter._hooks)
-        assert hooked_modules() == len(adapter._hooks)  # the other pass still runs
-    assert hooked_modules() == 0
+            assert in_place() == (pre_hooks, len(layers))
+        assert in_place() == (pre_hooks, len(layers))  # the other pass still runs
+    assert in_place() == (0, 0)
+
+
+def test_routed_layers_call_the_sat_update_after_their_product_and_keep_their_forward():
+    """On routed CPU kernels a layer calls its SAT hook itself (cpu_kernels.AFTER), without a forward wrapped
+    around it: the same logits as the wrapper gives, bit for bit; afterwards nothing of the pass is left."""
+    from sdsat import cpu_kernels
+
+    sat_model = make_sat_model("adapter")
+    model = sat_model.model
+    if not cpu_kernels.invariant_available():
+        pytest.skip("oneDNN's blocked products are not in this torch build")
+    cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
+    layers = [module for module, _, pre in sat_model.adapter._hooks if not pre]
+    assert layers and all(cpu_kernels.routed(m) for m in layers)
+    forwards = {id(m): m.__dict__["forward"] for m in layers}
+    seen = []
+    probe = model.lm_head.register_forward_hook(
+        lambda *a: seen.append([(cpu_kernels.AFTER in m.__dict__, m.__dict__["forward"] is forwards[id(m)])
+                                for m in layers]))
+    ids, slots = torch.tensor([[5, 7, 9, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1]])
+    with torch.inference_mode():
+        after_product = sat_model.forward(ids, slots)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_kernels, "routed", lambda module: False)
+            wrapped = sat_model.forward(ids, slots)
+        base = model(input_ids=ids[:, :3]).logits
+    probe.remove()
+    assert seen[0] == [(True, True)] * len(layers)  # called after the product, the routed forward itself
+    assert seen[1] == [(False, False)] * len(layers)  # the wrapper's way
+    assert torch.equal(after_product, wrapped)
+    assert torch.equal(after_product[:, :3], base)  # standard rows: the base model's, bit for bit
+    assert all(cpu_kernels.AFTER not in m.__dict__ and m.__dict__["forward"] is forwards[id(m)] for m in layers)
 
 
 def seven_projection_model(per_position: bool = False, b_scale: float = 0.01) -> SatModel:

@@ -65,3 +65,26 @@ def test_the_forms_summary_compares_one_token_passes_with_the_cheapest_and_draft
     assert "against per-row's (32.0 ms)" in summary
     assert "- tiled: 1.250×; draft pass [t, SAT×3] 1.25× plain 4" in summary
     assert "- per-row: 1.000×; draft pass [t, SAT×3] 1.32× plain 4" in summary
+
+
+def test_a_part_called_inside_another_counts_for_itself_alone(monkeypatch):
+    """A routed product calls the SAT update inside itself: the update's seconds go to the SAT updates alone, the
+    product keeps what is left; a part called inside itself (a method calling another) is counted once."""
+    clock = [0.0]
+    monkeypatch.setattr(pass_parts.timing, "now", lambda device=None: clock[0])
+
+    def spend(seconds, then=None):
+        def run():
+            clock[0] += seconds
+            if then is not None:
+                then()
+            clock[0] += seconds
+        return run
+
+    timer = pass_parts.Timer(device=None)
+    update = timer.wrap(pass_parts.SAT_UPDATES, spend(1.0))
+    inner_product = timer.wrap(pass_parts.PRODUCTS, spend(0.25))
+    product = timer.wrap(pass_parts.PRODUCTS, spend(0.5, then=lambda: (update(), inner_product())))
+    product()
+    assert timer.seconds == {pass_parts.SAT_UPDATES: 2.0, pass_parts.PRODUCTS: 1.5}
+    assert not timer._open

@@ -26,8 +26,8 @@ def seven_projection_model(dtype: torch.dtype) -> SatModel:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_update_matches_pytorchs_ops(kernel, monkeypatch, dtype):
-    """SAT logits equal the ops' to the precision's rounding, also after B is trained in place (its float32 copy
-    follows); standard rows are the base model's, bit for bit; with the kernel off the ops run."""
+    """SAT logits equal the ops' to the precision's rounding, also after B is trained in place (the kernel reads
+    the parameters themselves); standard rows are the base model's, bit for bit; with the kernel off the ops run."""
     sat_model = seven_projection_model(dtype)
     ids, slots = torch.tensor([[5, 7, 9, 1, 1, 1]]), torch.tensor([[-1, -1, -1, 0, 1, 2]])
     calls = []
@@ -53,6 +53,51 @@ def test_the_compiled_update_matches_pytorchs_ops(kernel, monkeypatch, dtype):
         with torch.no_grad():
             for b in sat_model.adapter.lora_b.values():
                 b.mul_(3.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_the_low_rank_update_for_every_shape_it_takes(kernel, dtype, weights):
+    """Ranks and widths in whole vectors (1..4 of 16) and not, 1..9 SAT rows (the kernel takes up to 4 side by
+    side): rows start.. get scale * (x A) B, rows before are untouched; weights of another dtype than the rows',
+    or not contiguous, are left to PyTorch's ops."""
+    gen = torch.Generator().manual_seed(0)
+    for inputs, rank, outputs in [(48, 16, 32), (40, 32, 48), (32, 48, 16), (64, 64, 80), (24, 8, 20), (32, 16, 24)]:
+        a = torch.randn(inputs, rank, generator=gen).to(weights)
+        b = torch.randn(rank, outputs, generator=gen).to(weights)
+        for rows in range(1, 10):
+            x = torch.randn(1, rows + 2, inputs, generator=gen).to(dtype)
+            out = torch.randn(1, rows + 2, outputs, generator=gen).to(dtype)
+            expected = out.float().clone()
+            expected[0, 2:] += (x[0, 2:].float() @ a.float()) @ b.float() * 0.5
+            assert kernel.sat_update(out, x, 2, a, b, 0.5)
+            assert torch.equal(out[0, :2], expected[0, :2].to(dtype))
+            tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.01)
+            torch.testing.assert_close(out.float(), expected, **tolerance)
+    x, out = torch.randn(1, 3, 48).to(dtype), torch.randn(1, 3, 32).to(dtype)
+    before = out.clone()
+    assert not kernel.sat_update(out, x, 1, torch.randn(48, 16).half(), torch.randn(16, 32).half(), 1.0)
+    assert not kernel.sat_update(out, x, 1, torch.randn(16, 48).to(weights).t(), torch.randn(16, 32).to(weights), 1.0)
+    assert torch.equal(out, before)
+
+
+def test_bfloat16_rows_are_rounded_as_torch_rounds_them(kernel):
+    """The kernel's float-to-bfloat16 rounding (nearest, ties to even; overflow to infinity; NaN stays NaN) is
+    torch's: updates that land between two bfloat16 numbers, below, at and above halfway."""
+    base = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 3.0e38, 2.0] * 2)
+    delta = torch.tensor([2 ** -8, 3 * 2 ** -8, 2 ** -9, 2 ** -8 + 2 ** -12, -(2 ** -8), -(2 ** -7) - 2 ** -9, 3.0e38,
+                          float("nan")] * 2)
+    x = torch.ones(1, 2, 16, dtype=torch.bfloat16)
+    a = torch.zeros(16, 16)
+    a[:, 0] = 1 / 16  # x A = (1, 0, ..., 0) exactly
+    b = torch.zeros(16, 16)
+    b[0] = delta
+    out = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    out[0, 1] = base.to(torch.bfloat16)
+    expected = (out[0, 1].float() + delta).to(torch.bfloat16)
+    assert kernel.sat_update(out, x, 1, a, b, 1.0)
+    assert not torch.equal(expected[:4], torch.ones(4, dtype=torch.bfloat16))  # some round up, some down
+    torch.testing.assert_close(out[0, 1], expected, equal_nan=True, atol=0, rtol=0)
 
 
 def test_greedy_decoding_with_the_compiled_update_is_identical_to_vanilla(kernel, default_engine, monkeypatch):

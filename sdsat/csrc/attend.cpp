@@ -1,7 +1,7 @@
 // Row-invariant attention in one call per layer (sdsat/attention.py, the compiled form): each query row attends over
 // exactly the keys it sees, with every sum in one fixed order, so a row's bits depend on its query and its keys
 // alone, never on how many rows share the call or how threads split them. float32 arithmetic on float32 or
-// bfloat16 inputs; vectors are GCC's vector extensions, so the same source compiles for AVX-512, AVX2 or NEON.
+// bfloat16 inputs, in the vectors of vectors.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -9,27 +9,6 @@
 #include <vector>
 
 namespace {
-
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-constexpr int L = 16;  // floats per vector
-
-static inline v16f load(const float* p) { v16f x; std::memcpy(&x, p, sizeof x); return x; }
-static inline v16f load(const at::BFloat16* p) {  // bfloat16 is float's upper half
-  v16h h; std::memcpy(&h, p, sizeof h);
-  return (v16f)(__builtin_convertvector(h, v16u) << 16);
-}
-static inline void store(float* p, v16f x) { std::memcpy(p, &x, sizeof x); }
-
-static inline float hsum(v16f x) {  // one fixed order of additions
-  v8f a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 static inline v16f vexp(v16f x) {  // e^x for x <= 0, about 1e-7 relative; below -87 it gives e^-87
   const v16f zero = {};
