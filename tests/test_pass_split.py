@@ -88,3 +88,17 @@ def test_a_part_called_inside_another_counts_for_itself_alone(monkeypatch):
     product()
     assert timer.seconds == {pass_parts.SAT_UPDATES: 2.0, pass_parts.PRODUCTS: 1.5}
     assert not timer._open
+
+
+def test_a_suites_bounds_have_a_row_per_prompt_and_the_share_over_them():
+    from sdsat.bench.prompts import BenchPrompt
+
+    sat_model = make_sat_model("adapter")
+    engine = type("Engine", (), {"sat_model": sat_model, "tokenizer": TOKENIZER, "eos_ids": [],
+                                 "encode": staticmethod(lambda text, chat: [5, 17, 3, len(text)])})()
+    prompts = [BenchPrompt(0, "ab", "completion", "first"), BenchPrompt(1, "abcd", "chat", "second")]
+    configs = {method: DecodeConfig(method=method, k=2, max_new_tokens=8) for method in ("vanilla", "sdsat")}
+    text = pass_split.suite_bounds(engine, prompts, configs)
+    rows = [line for line in text.splitlines() if line.startswith("| first") or line.startswith("| second")]
+    assert len(rows) == 2 and all(row.endswith("% |") for row in rows)
+    assert "share of the bound over 2 prompts: median" in text

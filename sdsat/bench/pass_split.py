@@ -66,6 +66,25 @@ def table(splits: dict[str, Split], parts: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def suite_bounds(engine, prompts, configs: dict) -> str:
+    """Each prompt's measured speed-up beside its arithmetic bound (both decodes split on it), and the share of
+    the bound over the prompts: where a suite's loop loses time outside its passes."""
+    lines = ["| prompt | SDSAT tokens / iteration | measured | bound | share of bound |", "|---|---:|---:|---:|---:|"]
+    shares = []
+    for prompt in prompts:
+        ids = engine.encode(prompt.text, chat=prompt.kind == "chat")
+        loops = {method: split_decode(engine, ids, config) for method, config in configs.items()}
+        bound = arithmetic_bound(loops["vanilla"], loops["sdsat"])
+        result = loops["sdsat"][1]
+        shares.append(bound["share_of_bound"])
+        lines.append(f"| {prompt.name} | {len(result.token_ids) / max(len(result.steps), 1):.2f} | "
+                     f"{bound['measured']:.2f}x | {bound['bound']:.2f}x | {bound['share_of_bound']:.0%} |")
+    shares.sort()
+    lines.append(f"\nshare of the bound over {len(shares)} prompts: median {shares[(len(shares) - 1) // 2]:.0%}, "
+                 f"lowest {shares[0]:.0%}")
+    return "\n".join(lines)
+
+
 BLOCKS = {"one token (vanilla)": ("plain", 1), "plain 4 tokens (verify, k = 3)": ("plain", 4),
           "draft [t, SAT x3]": ("draft", 3)}
 
@@ -78,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, metavar="N",
                         help="timed rounds over every block; medians are reported (default 10)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
-    parser.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default="def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
                         help="the prompt the decodes' loops are split on")
+    source.add_argument("--prompts", metavar="FILE",
+                        help="split the loops on every prompt of this file (the benchmark's JSON lines) and report "
+                             "each one's share of its bound")
+    source.add_argument("--subset", metavar="SPEC", help="the same on these HumanEval problems, e.g. 16-35")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="new tokens per decode (default 64)")
     parser.add_argument("--json", metavar="OUT", help="also write the splits (seconds) here (default: none)")
@@ -98,10 +122,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     engine.use_stored_tuning()
+    configs = {method: engine.auto_config(DecodeConfig(method=method, max_new_tokens=args.max_new_tokens))
+               for method in ("vanilla", "sdsat")}
+    if args.prompts or args.subset:
+        from .prompts import PromptFileError, file_prompts, humaneval_prompts
+
+        try:
+            prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.subset)
+        except (PromptFileError, ValueError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{machine_info(engine).get('cpu', '')}, {torch.get_num_threads()} threads")
+        print(suite_bounds(engine, prompts, configs))
+        return 0
     passes = split_passes(engine.sat_model, BLOCKS, args.context, args.repeats)
     prompt_ids = engine.tokenizer(args.prompt)["input_ids"]
-    loops = {method: split_decode(engine, prompt_ids, engine.auto_config(DecodeConfig(
-        method=method, max_new_tokens=args.max_new_tokens))) for method in ("vanilla", "sdsat")}
+    loops = {method: split_decode(engine, prompt_ids, config) for method, config in configs.items()}
     bound = arithmetic_bound(loops["vanilla"], loops["sdsat"])
     info = machine_info(engine)
     print(f"{info.get('cpu', '')}, {torch.get_num_threads()} threads, KV cache of {args.context} tokens; "
