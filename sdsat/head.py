@@ -144,20 +144,31 @@ class SamplerHead(nn.Module):
     def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
                embed_in: torch.Tensor, embed_out: torch.Tensor, history: torch.Tensor | None = None,
                ends: torch.Tensor | None = None) -> torch.Tensor:
-        """The head's logits (N, V) float32: the K candidates' scores, -inf elsewhere.
+        """The head's logits (N, V) float32: the K candidates' scores, -inf elsewhere (arguments as `candidates`).
+        The drafts benchmark (every row at once) goes through this."""
+        cand, scores = self.candidates(hidden, z, prev, slot, embed_in, embed_out, history, ends)
+        return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
+
+    @torch.no_grad()
+    def candidates(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
+                   embed_in: torch.Tensor, embed_out: torch.Tensor, history: torch.Tensor | None = None,
+                   ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's K candidates (N, K), in token order, and their scores (N, K) float32: the head's logits
+        wherever they are finite.
 
         Args:
             hidden: (N, H) SAT rows' final hidden states; z: (N, V) their logits (the SATs' own).
             prev: (N,) the token before each draft; slot: (N,) each SAT's index j - 1 in its run.
             history: (T,) the text's tokens and ends: (N,) where each row's prev stands in it (a head that reads
                 the context needs them).
-        Decoding (one row at a time) and the drafts benchmark (every row at once) both go through this.
         """
-        cand_logits, cand = z.float().topk(self.config.candidates, dim=-1)  # (N, K) each
+        cand_logits, cand = z.topk(self.config.candidates, dim=-1)  # (N, K) each
+        cand, order = cand.sort(dim=-1)  # token order: a draw among them picks what a draw over the vocabulary would
+        cand_logits = cand_logits.gather(-1, order).float()  # z's values, exact in float32
         seen = seen_after(history, ends, cand) if self.config.context else None
         seen3 = seen_after(history, ends, cand, order=3) if self.config.context3 else None
         scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out, seen, seen3)
-        return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
+        return cand, scores
 
     def save(self, folder: str | Path) -> None:
         """float32 weights (the bigram table's keys as integers): they load back bit-exactly."""
@@ -217,18 +228,23 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
         draw: (N, V) distributions -> (N,) tokens (TokenChooser.draw).
         history: every token before t (a head that reads the context counts its pairs and triples).
     Returns q (k, V), each row the exact distribution its draft was drawn from, and the drafts (k,).
+
+    The head's logits are -inf outside its K candidates, so each draft is warped and drawn among those K alone (the
+    warps and draws keep a row's order, and the candidates are in token order): the vocabulary-wide row a draw
+    would otherwise cost is only written out for q.
     """
-    rows, drafts, prev = [], [], t
+    q = torch.zeros(logits.shape, device=logits.device)
+    drafts, prev = [], t
     device = logits.device
     text = torch.tensor(list(history) + [t] + [0] * len(hidden), device=device)  # drafts fill in as they are drawn
     for j in range(len(hidden)):
         end = len(text) - len(hidden) + j - 1  # where prev stands
-        row = head.logits(hidden[j:j + 1], logits[j:j + 1], torch.tensor([prev], device=device),
-                          torch.tensor([j], device=device), embed_in, embed_out, text[:end + 1],
-                          torch.tensor([end], device=device))
-        q = warp(row)  # (1, V)
-        prev = int(draw(q)[0])
+        cand, scores = head.candidates(hidden[j:j + 1], logits[j:j + 1], torch.tensor([prev], device=device),
+                                       torch.tensor([j], device=device), embed_in, embed_out, text[:end + 1],
+                                       torch.tensor([end], device=device))
+        q_cand = warp(scores)  # (1, K)
+        prev = int(cand[0, draw(q_cand)[0]])
         text[end + 1] = prev
-        rows.append(q)
+        q[j].scatter_(-1, cand[0], q_cand[0])
         drafts.append(prev)
-    return torch.cat(rows), torch.tensor(drafts, device=logits.device)
+    return q, torch.tensor(drafts, device=logits.device)
