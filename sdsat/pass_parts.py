@@ -3,8 +3,9 @@
 A pass's time is split into the decoder layers' products, attention, the SAT updates (the adapter's hooks),
 norms and rotary embeddings, the output head, and the rest ("other": embeddings, residual adds, the MLP's
 activation, masks, transformers' own Python). The parts never overlap (the SAT update a routed product calls
-counts as an update, not as the product), and "other" is what they leave of the measured total; the wrappers cost a little time of their own, counted in the parts they wrap and in that rest.
-The benchmark (`python -m sdsat.bench.pass_split`) and the page's This machine panel both use it.
+counts as an update, not as the product), and "other" is what they leave of the measured total; the wrappers
+cost a little time of their own, counted in the parts they wrap and in that rest. The benchmark
+(`python -m sdsat.bench.pass_split`) and the page's This machine panel both use it.
 """
 
 from __future__ import annotations

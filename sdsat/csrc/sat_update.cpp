@@ -4,9 +4,6 @@
 
 namespace {
 
-// out[n, :] += scale * (x[n, :] @ a) @ b for each of `rows` rows; a (I, R) and b (R, O) contiguous, x and out rows
-// contiguous. Sums in float32. A pass reads each adapted layer's a and b once, so their bytes are what this costs:
-// the weights may be bfloat16 while the sums stay float32.
 // Rows n0..n0+G of the update, G <= 4 rows side by side: each of a's and b's vectors is loaded once for the G rows,
 // and the G rows' sums are independent chains of multiply-adds (one row's chain alone waits on each step). The sums
 // stay in registers (a vector stored and loaded back on every step stalls on some CPUs). R = V * L.
