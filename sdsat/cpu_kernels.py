@@ -47,7 +47,9 @@ PLAN_FILE = "cpu_kernels.json"  # the tuned plans, in the engine's cache folder 
 _PLAN_FORMAT = 4  # part of the stored plan's key: plans of other variant sets are tuned again
 # A routed layer calls `module.__dict__[AFTER](module, (x,), output)`, where set, after its product, as PyTorch calls
 # a forward hook (None keeps the output): the SAT adapter's update during a draft pass (sat.py), with no hook or
-# wrapper around the call (either costs a draft pass more than the update's own arithmetic).
+# wrapper around the call (either costs a draft pass more than the update's own arithmetic). It is state on the
+# module, set only while such a pass runs (sat.SatAdapter.hooked), because the product's own call is the cheapest
+# place left to run it.
 AFTER = "_sdsat_after"
 
 log = logging.getLogger(__name__)

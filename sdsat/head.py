@@ -15,8 +15,8 @@ tokens before the draft were; each term is optional. The shipped
 head has the three table terms and no MLP (its record, sampler_head_record.json, says why). u_j shifts h_j,
 so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per
 draft, sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
-distribution q_j is the head's exact one: the sampler's warpers and softmax over a row that is -inf
-outside the K candidates, so the accept test min(1, p/q) and the residual stay exact.
+distribution q_j is the head's exact one: the sampler's warpers and softmax over its K candidates (its logits
+are -inf elsewhere), so the accept test min(1, p/q) and the residual stay exact.
 
 Files, beside the SAT adapter: ``sampler_head.safetensors`` and ``sampler_head.json`` (`HeadConfig`);
 loading is the exact inverse of saving. Training: sdsat/train/head.py.
@@ -145,7 +145,7 @@ class SamplerHead(nn.Module):
                embed_in: torch.Tensor, embed_out: torch.Tensor, history: torch.Tensor | None = None,
                ends: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (N, V) float32: the K candidates' scores, -inf elsewhere (arguments as `candidates`).
-        The drafts benchmark (every row at once) goes through this."""
+        The drafts benchmark and the acceptance trace (every row at once) go through this."""
         cand, scores = self.candidates(hidden, z, prev, slot, embed_in, embed_out, history, ends)
         return torch.full(z.shape, float("-inf"), device=z.device).scatter_(-1, cand, scores)
 
@@ -224,8 +224,8 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
 
     Args:
         hidden: (k, H) the SAT rows' final hidden states; logits: (k, V) their logits z.
-        warp: (N, V) logits -> (N, V) the sampler's distribution (TokenChooser.probs);
-        draw: (N, V) distributions -> (N,) tokens (TokenChooser.draw).
+        warp: (N, W) logits -> (N, W) the sampler's distribution (TokenChooser.probs), here over K candidates;
+        draw: (N, W) distributions -> (N,) positions in the row (TokenChooser.draw).
         history: every token before t (a head that reads the context counts its pairs and triples).
     Returns q (k, V), each row the exact distribution its draft was drawn from, and the drafts (k,).
 

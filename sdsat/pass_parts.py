@@ -41,8 +41,8 @@ class Split:
 
 class Timer:
     """Adds the seconds spent in wrapped callables to their part, each part's own time only: a call of another part
-    inside (the SAT update a routed product calls) counts for that part alone, and a call inside another of its own
-    part (a method calling another) is counted once, by the outer one."""
+    inside (the SAT update a routed product calls) counts for that part alone, and a call of a part already
+    running further out (a method calling another) counts for the part it was called from."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -208,13 +208,21 @@ class SatAdapter(nn.Module):
         """The SAT hooks in place for a pass with SAT rows: put in by the first such pass, taken out by the last.
         A layer's hook runs inside its forward, not as a registered forward hook: a module with hooks takes
         PyTorch's general call path, which costs more than a draft pass's small updates. A layer with routed CPU
-        kernels calls it itself (cpu_kernels.AFTER); any other gets a forward that calls it (`_ForwardHook`)."""
+        kernels calls it itself (cpu_kernels.AFTER); any other gets a forward that calls it (`_ForwardHook`). Only
+        the injection's pre-hook is registered. Routing a layer's kernels (cpu_kernels.install) or timing its
+        forward (pass_parts) while a pass with SAT rows runs is not supported: what either puts in place then
+        is left alone, and such a layer may miss its update for that pass."""
         with self._lock:
             if not self._passes:
                 self._kernel = None if self.config.per_position else sat_kernel.compiled()
-                self._installed = [module.register_forward_pre_hook(hook, with_kwargs=True) if pre
-                                   else _AfterProduct(module, hook) if cpu_kernels.routed(module)
-                                   else _ForwardHook(module, hook) for module, hook, pre in self._hooks]
+                try:
+                    for module, hook, pre in self._hooks:
+                        self._installed.append(module.register_forward_pre_hook(hook, with_kwargs=True) if pre
+                                               else _AfterProduct(module, hook) if cpu_kernels.routed(module)
+                                               else _ForwardHook(module, hook))
+                except BaseException:
+                    self._remove_installed()
+                    raise
             self._passes += 1
         try:
             yield
@@ -222,9 +230,12 @@ class SatAdapter(nn.Module):
             with self._lock:
                 self._passes -= 1
                 if not self._passes:
-                    for installed in reversed(self._installed):
-                        installed.remove()
-                    self._installed = []
+                    self._remove_installed()
+
+    def _remove_installed(self) -> None:
+        for installed in reversed(self._installed):
+            installed.remove()
+        self._installed = []
 
     def input_embeddings(self, slots: torch.Tensor) -> torch.Tensor:
         """(B, T) SAT slots -> (B, T, H) what the SAT rows feed into the first layer."""
@@ -445,11 +456,12 @@ class _AfterProduct:
     """`hook` called by a routed layer after its product (cpu_kernels.AFTER), until `remove`."""
 
     def __init__(self, module: nn.Module, hook):
-        self.module = module
+        self.module, self.hook = module, hook
         module.__dict__[cpu_kernels.AFTER] = hook
 
     def remove(self) -> None:
-        self.module.__dict__.pop(cpu_kernels.AFTER, None)
+        if self.module.__dict__.get(cpu_kernels.AFTER) is self.hook:
+            del self.module.__dict__[cpu_kernels.AFTER]
 
 
 class _ForwardHook:
@@ -466,9 +478,12 @@ class _ForwardHook:
             changed = hook(module, args, output)
             return output if changed is None else changed
 
-        module.forward = forward
+        module.forward = self.forward = forward
 
     def remove(self) -> None:
+        """Put back the forward that was there, unless something has replaced this one since."""
+        if self.module.__dict__.get("forward") is not self.forward:
+            return
         if self.previous is None:
             del self.module.forward
         else:

@@ -460,12 +460,13 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     tuning = Tuning()
     stored = jsonfile.read_object(cache_file) or {}
     precisions = precisions_to_try(model, fixed_dtype)
-    if (remeasure != "never" and kernels and next(model.parameters()).device.type == "cpu"
-            and (attention.compiled_enabled() or sat_kernel.enabled())):
+    compiled = (kernels and next(model.parameters()).device.type == "cpu"
+                and (attention.compiled_enabled() or sat_kernel.enabled()))
+    if remeasure != "never" and compiled:
         native.build()  # passes are timed as they will run (compiled once per machine, then loaded in a moment)
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
                            model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels,
-                           exact_forms(p), native.digest()])  # passes timed with these kernels, built here
+                           exact_forms(p), native.digest() if compiled else None])  # timed with these kernels
             for p in precisions}
     kept = {p: _Measured.from_dict(stored.get(keys[p])) for p in precisions}
     fresh = [p for p in precisions if kept[p] is None or remeasure == "all"

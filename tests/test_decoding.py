@@ -637,6 +637,21 @@ def test_the_sat_hooks_are_in_place_only_during_a_pass_with_sat_rows():
     assert in_place() == (0, 0)
 
 
+def test_a_forward_put_in_during_a_pass_with_sat_rows_is_left_alone():
+    """The SAT hooks put back only what is still theirs: a forward something else set meanwhile stays."""
+    sat_model = make_sat_model("adapter")
+    layer = next(module for module, _, pre in sat_model.adapter._hooks if not pre)
+    with sat_model.adapter.hooked():
+        def replacement(x):
+            return x
+        layer.forward = replacement
+    assert layer.__dict__["forward"] is replacement
+    del layer.forward
+    with sat_model.adapter.hooked():
+        assert "forward" in layer.__dict__
+    assert "forward" not in layer.__dict__
+
+
 def test_routed_layers_call_the_sat_update_after_their_product_and_keep_their_forward():
     """On routed CPU kernels a layer calls its SAT hook itself (cpu_kernels.AFTER), without a forward wrapped
     around it: the same logits as the wrapper gives, bit for bit; afterwards nothing of the pass is left."""

@@ -104,12 +104,17 @@ def test_standard_token_logits_are_bit_equal_with_and_without_adapter_and_head()
     assert torch.allclose(through_head[0], alone, atol=1e-5)
 
 
-def test_q_is_the_distribution_each_draft_was_drawn_from():
-    """Each row of q is conditioned on the draft before it: feeding the head those drafts again gives q."""
+@pytest.mark.parametrize("settings", [dict(do_sample=True, temperature=1.3, seed=3),
+                                      dict(do_sample=True, temperature=0.8, top_k=2, seed=4),
+                                      dict(do_sample=True, top_p=0.9, seed=5), dict()])
+def test_q_is_the_distribution_each_draft_was_drawn_from(settings):
+    """Each row of q is conditioned on the draft before it: feeding the head those drafts again gives q, warped
+    over the whole vocabulary as vanilla sampling warps (the head warps and draws among its candidates alone);
+    greedy drafts are that row's top token."""
     sat_model = tiny_sat_model(head=True)
     from transformers import DynamicCache
 
-    chooser = TokenChooser(SamplingConfig(do_sample=True, temperature=1.3, seed=3), sat_model.device)
+    chooser = TokenChooser(SamplingConfig(**settings), sat_model.device)
     ctx = DraftContext(sat_model, chooser, DynamicCache(config=sat_model.model.config), list(PROMPT), list(PROMPT),
                        8, Clock(sat_model.device))
     with torch.inference_mode():
@@ -126,6 +131,10 @@ def test_q_is_the_distribution_each_draft_was_drawn_from():
                                        torch.tensor([j]), model.get_input_embeddings().weight,
                                        model.get_output_embeddings().weight, text, torch.tensor([end]))
         assert torch.allclose(chooser.probs(row)[0], q[j], atol=1e-6)
+        if settings.get("top_k"):
+            assert int((q[j] > 0).sum()) <= settings["top_k"]
+        if not settings:
+            assert int(drafts[j]) == int(row[0].argmax())
 
 
 @pytest.mark.parametrize("name,k,extra,settings", [

@@ -59,10 +59,11 @@ def test_the_compiled_update_matches_pytorchs_ops(kernel, monkeypatch, dtype):
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 def test_the_kernel_computes_the_low_rank_update_for_every_shape_it_takes(kernel, dtype, weights):
     """Ranks and widths in whole vectors (1..4 of 16) and not, 1..9 SAT rows (the kernel takes up to 4 side by
-    side): rows start.. get scale * (x A) B, rows before are untouched; weights of another dtype than the rows',
-    or not contiguous, are left to PyTorch's ops."""
+    side), weights float32 or bfloat16 whatever the rows' dtype: rows start.. get scale * (x A) B, rows before are
+    untouched; float16 weights, or weights not contiguous, are left to PyTorch's ops."""
     gen = torch.Generator().manual_seed(0)
-    for inputs, rank, outputs in [(48, 16, 32), (40, 32, 48), (32, 48, 16), (64, 64, 80), (24, 8, 20), (32, 16, 24)]:
+    for inputs, rank, outputs in [(48, 16, 32), (40, 32, 48), (32, 48, 16), (64, 64, 80), (24, 8, 20), (32, 16, 24),
+                                  (32, 0, 16)]:
         a = torch.randn(inputs, rank, generator=gen).to(weights)
         b = torch.randn(rank, outputs, generator=gen).to(weights)
         for rows in range(1, 10):

@@ -22,7 +22,7 @@ import torch
 from .. import drafters, kvcache, sat, timing, verify
 from .. import decoding as decoding_module
 from ..pass_parts import PASS_PARTS, Split, Timer, patched, split_passes, with_rest
-from ..sampling import TokenChooser
+from ..sampling import SamplingConfig, TokenChooser
 
 PASSES, CHOOSING, SURGERY, LOOP = "forward passes", "choosing tokens", "KV-cache surgery", "loop Python"
 LOOP_PARTS = (PASSES, CHOOSING, SURGERY, LOOP)
@@ -66,7 +66,7 @@ def table(splits: dict[str, Split], parts: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def suite_bounds(engine, prompts, configs: dict) -> str:
+def suite_bounds(engine, prompts: list, configs: dict) -> str:
     """Each prompt's measured speed-up beside its arithmetic bound (both decodes split on it), and the share of
     the bound over the prompts: where a suite's loop loses time outside its passes."""
     lines = ["| prompt | SDSAT tokens / iteration | measured | bound | share of bound |", "|---|---:|---:|---:|---:|"]
@@ -79,6 +79,8 @@ def suite_bounds(engine, prompts, configs: dict) -> str:
         shares.append(bound["share_of_bound"])
         lines.append(f"| {prompt.name} | {len(result.token_ids) / max(len(result.steps), 1):.2f} | "
                      f"{bound['measured']:.2f}x | {bound['bound']:.2f}x | {bound['share_of_bound']:.0%} |")
+    if not shares:
+        raise ValueError("no prompts to split")
     shares.sort()
     lines.append(f"\nshare of the bound over {len(shares)} prompts: median {shares[(len(shares) - 1) // 2]:.0%}, "
                  f"lowest {shares[0]:.0%}")
@@ -106,8 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--subset", metavar="SPEC", help="the same on these HumanEval problems, e.g. 16-35")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="new tokens per decode (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                        help="sample at this temperature, vanilla and SDSAT alike (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus when sampling (default 1)")
     parser.add_argument("--json", metavar="OUT", help="also write the splits (seconds) here (default: none)")
     args = parser.parse_args(argv)
+    sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature or 1.0,
+                              top_p=args.top_p, seed=0)
+    try:
+        sampling.validate()
+    except ValueError as err:
+        parser.error(str(err))
 
     from ..config import DecodeConfig
     from ..engine import Engine
@@ -122,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     engine.use_stored_tuning()
-    configs = {method: engine.auto_config(DecodeConfig(method=method, max_new_tokens=args.max_new_tokens))
-               for method in ("vanilla", "sdsat")}
+    configs = {method: engine.auto_config(DecodeConfig(method=method, max_new_tokens=args.max_new_tokens,
+                                                       sampling=sampling)) for method in ("vanilla", "sdsat")}
     if args.prompts or args.subset:
         from .prompts import PromptFileError, file_prompts, humaneval_prompts
 

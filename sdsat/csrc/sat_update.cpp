@@ -5,8 +5,9 @@
 namespace {
 
 // Rows n0..n0+G of the update, G <= 4 rows side by side: each of a's and b's vectors is loaded once for the G rows,
-// and the G rows' sums are independent chains of multiply-adds (one row's chain alone waits on each step). The sums
-// stay in registers (a vector stored and loaded back on every step stalls on some CPUs). R = V * L.
+// and the G rows' sums are independent chains of multiply-adds (one row's chain alone waits on each step). With
+// AVX-512's 32 registers the sums stay in registers (a vector stored and loaded back on every step stalls on some
+// CPUs); narrower vector sets spill some. R = V * L.
 template <int G, int V, typename T, typename W>
 void rows_of(T* out, int64_t out_stride, const float* xf, const W* a, const W* b, float scale, int64_t I,
              int64_t O) {
@@ -72,13 +73,12 @@ void update(T* out, int64_t out_stride, const T* x, int64_t x_stride, const W* a
   std::vector<float> xf(rows * I);
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t i = 0; i < I; ++i) xf[n * I + i] = static_cast<float>(x[n * x_stride + i]);
-  if (O % L != 0 || R % L != 0 || R > 4 * L)
-    return rows_by_scalars(out, out_stride, xf.data(), a, b, scale, rows, I, R, O);
-  switch (R / L) {
+  switch (O % L == 0 && R % L == 0 ? R / L : 0) {
     case 1: return rows_by_vectors<1>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
     case 2: return rows_by_vectors<2>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
     case 3: return rows_by_vectors<3>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
-    default: return rows_by_vectors<4>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
+    case 4: return rows_by_vectors<4>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
+    default: return rows_by_scalars(out, out_stride, xf.data(), a, b, scale, rows, I, R, O);  // rank 0 too
   }
 }
 
@@ -106,7 +106,7 @@ bool supported(const torch::Tensor& t) {
 // one dtype; returns false, touching nothing, where this kernel does not apply (another device or dtype, rows or
 // weights not contiguous): the caller then computes the update with PyTorch's ops.
 bool sat_update(torch::Tensor out, torch::Tensor x, int64_t start, torch::Tensor a, torch::Tensor b, double scale) {
-  if (!supported(out) || !supported(a) || out.dim() != 3 || x.dim() != 3 || out.size(0) != 1 || x.size(0) != 1 ||
+  if (!supported(out) || !supported(a) || !x.is_cpu() || !b.is_cpu() || out.dim() != 3 || x.dim() != 3 || out.size(0) != 1 || x.size(0) != 1 ||
       out.stride(2) != 1 || x.stride(2) != 1 || out.scalar_type() != x.scalar_type() ||
       a.scalar_type() != b.scalar_type() || !a.is_contiguous() || !b.is_contiguous())
     return false;
