@@ -63,7 +63,7 @@ def main() -> None:
     embed_in = sat_model.model.get_input_embeddings().weight
     embed_out = sat_model.model.get_output_embeddings().weight
     history = list(range(1000, 1000 + 256))
-    vocab = sat_model.model.get_input_embeddings().weight.shape[0]
+    vocab = embed_in.shape[0]
     gen = torch.Generator().manual_seed(0)
     cache, context = new_cache(sat_model.model.config), 256
     with torch.inference_mode():

@@ -33,7 +33,8 @@ static inline v16f vexp(v16f x) {  // e^x for x <= 0, about 1e-7 relative; below
 // so one contraction of products into fused multiply-adds.
 template <typename T, int V>
 __attribute__((noinline)) static void attend_row(const float* q, int64_t G, int64_t D, const T* k, const T* v,
-                                                 int64_t kstride, int64_t vstride, const int64_t* idx, int64_t n, float scaling, float* scores, T* out) {
+                                                 int64_t kstride, int64_t vstride, const int64_t* idx, int64_t n,
+                                                 float scaling, float* scores, T* out) {
   const int64_t width = (n + L - 1) / L * L;
   v16f qv[8 * 16];
   for (int64_t g = 0; g < G; ++g)

@@ -106,8 +106,9 @@ bool supported(const torch::Tensor& t) {
 // one dtype; returns false, touching nothing, where this kernel does not apply (another device or dtype, rows or
 // weights not contiguous): the caller then computes the update with PyTorch's ops.
 bool sat_update(torch::Tensor out, torch::Tensor x, int64_t start, torch::Tensor a, torch::Tensor b, double scale) {
-  if (!supported(out) || !supported(a) || !x.is_cpu() || !b.is_cpu() || out.dim() != 3 || x.dim() != 3 || out.size(0) != 1 || x.size(0) != 1 ||
-      out.stride(2) != 1 || x.stride(2) != 1 || out.scalar_type() != x.scalar_type() ||
+  if (!supported(out) || !supported(a) || !x.is_cpu() || !b.is_cpu() || out.dim() != 3 || x.dim() != 3 ||
+      out.size(0) != 1 || x.size(0) != 1 || out.stride(2) != 1 || x.stride(2) != 1 ||
+      out.scalar_type() != x.scalar_type() ||
       a.scalar_type() != b.scalar_type() || !a.is_contiguous() || !b.is_contiguous())
     return false;
   TORCH_CHECK(start >= 0 && start <= out.size(1) && x.size(1) == out.size(1) && a.dim() == 2 && b.dim() == 2 &&
