@@ -564,3 +564,76 @@ def test_corpus_modes_choose_which_decodings_are_trained_on(tmp_path, real_token
         config = TrainConfig(out=str(tmp_path / "run"), corpus=str(folder), corpus_modes=modes, code_files=0)
         sources = build_corpus(config, None, real_tokenizer).sources
         assert (sources["code_completions"], sources["chat_completions"]) == (code, chat)
+
+
+# -- richer targets: the latent consistency term and on-policy weights (issue 39) ------------------------------
+def test_reached_misses_marks_the_drafts_greedy_verification_would_test_and_reject():
+    """Two runs of three SATs: in the first, SAT 1 misses after SAT 0 hit (reached), SAT 2 after a miss (not
+    reached); in the second, SAT 0 misses (always reached) and nothing after it is."""
+    from sdsat.train.trainer import reached_misses
+
+    layout = SatLayout.runs_at(10, torch.tensor([1, 4]), 3)
+    teacher = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 4, 5, 6]]), 8).float()
+    student_ids = torch.tensor([[1, 0, 0, 0, 0, 6]])  # hit, miss, miss | miss, miss, hit
+    student = torch.nn.functional.one_hot(student_ids, 8).float()
+    assert reached_misses(student, teacher, layout).tolist() == [[False, True, False, True, False, False]]
+    # A second sequence of the batch is judged on its own misses.
+    both = reached_misses(torch.cat([student, teacher]), torch.cat([teacher, teacher]), layout)
+    assert both.tolist() == [[False, True, False, True, False, False], [False] * 6]
+
+
+def test_sat_states_are_the_states_sat_logits_project(real_tokenizer):
+    from sdsat.train.trainer import sat_states
+
+    model = make_tiny_llama(vocab_size=64)
+    sat_model = random_adapter_model(model, inject_layer=1)
+    ids = torch.randint(2, 64, (2, 30), generator=torch.Generator().manual_seed(0))
+    layout = sample_layout(30, runs=6, run_length=4, generator=torch.Generator().manual_seed(2))
+    targets = layout.target_positions
+    with torch.no_grad():
+        teacher, student = sat_logits(sat_model, ids, layout, targets, frozen_base=True)
+        standard_state, sat_state = sat_states(sat_model, ids, layout, targets)
+    assert torch.allclose(sat_model.head(standard_state), teacher, atol=1e-5)
+    assert torch.allclose(sat_model.head(sat_state), student, atol=1e-5)
+    assert standard_state.shape == (2, len(targets), model.config.hidden_size)
+
+
+def test_the_latent_term_pulls_sat_states_toward_the_standard_ones(tmp_path, real_tokenizer):
+    """Trained with the latent term, the SAT rows end nearer the standard tokens' states than a control run on
+    the same data and seed; the on-policy weights train too, and both runs resume as one run through."""
+    from sdsat.train.trainer import sat_states
+
+    torch.manual_seed(0)
+    model = make_tiny_llama(vocab_size=VOCAB)
+    data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
+    ids = torch.tensor(counting_corpus(4, 16, seed=9).sources["counting"])
+    layout = sample_layout(16, runs=4, run_length=2, generator=torch.Generator().manual_seed(3))
+    distance = {}
+    wide = dict(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lr=3e-2, lr_schedule="constant")
+    richer = {**wide, "latent_weight": 5.0, "on_policy_weight": 1.0}
+    distance, records = {}, {}
+    for name, changes in (("control", wide), ("latent", richer)):
+        records[name] = train(tiny_adapter_config(tmp_path / name, steps=100, **changes), model=model,
+                              tokenizer=real_tokenizer, **data)
+        assert records[name]["steps"][-1]["loss"] < records[name]["steps"][0]["loss"], name
+        trained, _ = prepare(tiny_adapter_config(tmp_path / "load", init_from=str(tmp_path / name / "sats"), **wide),
+                             model, real_tokenizer)
+        with torch.no_grad():
+            standard, sat = sat_states(trained, ids, layout, layout.target_positions)
+        trained.adapter.detach()
+        distance[name] = float(((sat - standard) ** 2).sum(-1).div((standard ** 2).sum(-1)).mean())
+    assert distance["latent"] < 0.85 * distance["control"], distance  # disconnected, the two would tie
+
+    train(tiny_adapter_config(tmp_path / "halves", steps=50, **richer), model=model, tokenizer=real_tokenizer, **data)
+    resumed = train(tiny_adapter_config(tmp_path / "halves", steps=100, **richer), model=model,
+                    tokenizer=real_tokenizer, **data)
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in records["latent"]["steps"]]
+
+
+@pytest.mark.parametrize("name", ["latent_weight", "on_policy_weight"])
+def test_the_richer_targets_are_checked_by_name_and_range(name):
+    for bad in (-0.1, 101, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match=f"{name} must be a number from 0 to 100"):
+            TrainConfig(**{name: bad}).validate()
+    with pytest.raises(ValueError, match=f"{name} needs mode adapter"):
+        TrainConfig(mode="paper", **{name: 1.0}).validate()

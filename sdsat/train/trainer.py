@@ -64,6 +64,8 @@ class TrainConfig:
     target: str = "argmax"  # adapter: match the base model's "argmax" or its full "distribution"
     dtype: str = "bfloat16"  # compute precision: "bfloat16" (autocast; what trains stays float32) or "float32"
     offset_decay: float = 0.8  # loss weight of SAT j is decay ** j: near drafts matter most
+    latent_weight: float = 0.0  # adapter: weight of the latent consistency term (0: none)
+    on_policy_weight: float = 0.0  # adapter: extra weight on SATs greedy decoding reaches whose draft misses
     steps: int = 900  # optimizer steps
     batch_size: int = 2  # sequences per step
     seq_len: int = 256  # standard tokens per sequence
@@ -131,6 +133,13 @@ class TrainConfig:
         if self.per_position and (self.mode != "adapter" or self.rank == 0 or self.num_sats == 1):
             raise ValueError("per_position needs mode adapter, a rank of 1 or more and num_sats of 2 or more "
                              "(it splits the adapter's low-rank updates between SAT positions)")
+        for name in ("latent_weight", "on_policy_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+                raise ValueError(f"{name} must be a number from 0 to 100, got {value!r}")
+            if value and self.mode != "adapter":
+                raise ValueError(f"{name} needs mode adapter (it shapes the frozen model's SAT rows); got mode "
+                                 f"{self.mode!r}")
         if self.mlp_width and self.mode != "adapter":
             raise ValueError("mlp_width needs mode adapter (it adds MLP neurons that only SAT rows use); got mode "
                              f"{self.mode!r}")
@@ -197,22 +206,51 @@ def sat_logits(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, keep_s
     """
     b, n = ids.shape
     device = ids.device
+    keep_standard = keep_standard if keep_standard is not None else torch.arange(n)
+    if frozen_base:
+        with torch.no_grad():
+            standard, cache = _standard_pass(sat_model, ids, layout, sat_model.forward,
+                                             logits_to_keep=keep_standard.to(device))
+        return standard, _sat_pass(sat_model, ids, layout, cache, sat_model.forward)
     mask = layout.attention_mask().to(device)
     positions = layout.position_ids.to(device).expand(b, -1)
     slots = layout.sat_slots.to(device).expand(b, -1)
-    keep_standard = keep_standard if keep_standard is not None else torch.arange(n)
-    if frozen_base:
-        cache = DynamicCache(config=sat_model.model.config)
-        with torch.no_grad():
-            standard = sat_model.forward(ids, cache=cache, attention_mask=mask[..., :n, :n],
-                                         position_ids=positions[:, :n], logits_to_keep=keep_standard.to(device))
-        sats = sat_model.forward(torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device), slots[:, n:],
-                                 cache=cache, attention_mask=mask[..., n:, :], position_ids=positions[:, n:])
-        return standard, sats
     full = torch.cat([ids, torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device)], 1)
     keep = torch.cat([keep_standard, n + torch.arange(layout.num_sats)]).to(device)
     logits = sat_model.forward(full, slots, attention_mask=mask, position_ids=positions, logits_to_keep=keep)
     return logits[:, :len(keep_standard)], logits[:, len(keep_standard):]
+
+
+def sat_states(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout,
+               keep_standard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states at chosen standard positions (B, S, H), without gradients, and at every SAT (B, M, H).
+
+    The frozen-base path of `sat_logits` one step short of the head (`SatModel.head` turns either into logits).
+    """
+    if not sat_model.plain_head:
+        raise ValueError("latent_weight needs a model whose logits are its head applied to the final hidden state "
+                         f"(one of {', '.join(SatModel._PLAIN_HEAD_TYPES)})")
+    with torch.no_grad():
+        standard, cache = _standard_pass(sat_model, ids, layout, sat_model.hidden_states)
+    return standard[:, keep_standard.to(ids.device)], _sat_pass(sat_model, ids, layout, cache,
+                                                                sat_model.hidden_states)
+
+
+def _standard_pass(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, run, **kwargs):
+    n = ids.shape[1]
+    cache = DynamicCache(config=sat_model.model.config)
+    mask = layout.attention_mask().to(ids.device)[..., :n, :n]
+    positions = layout.position_ids.to(ids.device).expand(ids.shape[0], -1)[:, :n]
+    return run(ids, cache=cache, attention_mask=mask, position_ids=positions, **kwargs), cache
+
+
+def _sat_pass(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, cache, run) -> torch.Tensor:
+    b, n = ids.shape
+    device = ids.device
+    slots = layout.sat_slots.to(device).expand(b, -1)[:, n:]
+    positions = layout.position_ids.to(device).expand(b, -1)[:, n:]
+    return run(torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device), slots, cache=cache,
+               attention_mask=layout.attention_mask().to(device)[..., n:, :], position_ids=positions)
 
 
 def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
@@ -220,24 +258,51 @@ def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
     """Weighted SAT loss (plus the LM loss in paper mode) and the SAT loss per offset j."""
     targets = layout.target_positions.to(ids.device)  # (M,) standard position p+1+j for each SAT
     slot = layout.slot.to(ids.device)
+    weights = (config.offset_decay ** slot.float()).expand(ids.shape[0], -1)  # (B, M)
+    extra = None
     if config.mode == "adapter":
-        teacher, student = sat_logits(sat_model, ids, layout, targets, frozen_base=True)
+        if config.latent_weight:
+            standard_state, sat_state = sat_states(sat_model, ids, layout, targets)
+            with torch.no_grad():
+                teacher = sat_model.head(standard_state)
+            student = sat_model.head(sat_state)
+            # Relative squared distance to the state the standard token has there: the SAT row learns to be
+            # where ordinary decoding would be, not only to put the same token on top.
+            extra = ((sat_state.float() - standard_state.float()) ** 2).sum(-1) / (
+                standard_state.float() ** 2).sum(-1).clamp(min=1e-6)
+        else:
+            teacher, student = sat_logits(sat_model, ids, layout, targets, frozen_base=True)
         if config.target == "argmax":
             per_sat = F.cross_entropy(student.transpose(1, 2), teacher.argmax(-1), reduction="none")  # (B, M)
         else:
             per_sat = -(teacher.float().softmax(-1) * student.float().log_softmax(-1)).sum(-1)
+        if config.on_policy_weight:
+            weights = weights * (1 + config.on_policy_weight * reached_misses(student, teacher, layout).float())
         lm_loss = None
     else:
         standard, student = sat_logits(sat_model, ids, layout, None, frozen_base=False)
         per_sat = F.cross_entropy(student.transpose(1, 2), ids[:, targets + 1], reduction="none")
         lm_loss = F.cross_entropy(standard[:, :-1].transpose(1, 2), ids[:, 1:])
-    weights = config.offset_decay ** slot.float()
-    loss = (per_sat * weights).sum() / (weights.sum() * ids.shape[0])
+    loss = (per_sat * weights).sum() / weights.sum()
+    if extra is not None:
+        loss = loss + config.latent_weight * (extra * weights).sum() / weights.sum()
     if lm_loss is not None:
         loss = loss + lm_loss
     by_offset = [float(per_sat.detach()[:, slot == j].mean()) if bool((slot == j).any()) else math.nan
                  for j in range(config.num_sats)]
     return loss, by_offset
+
+
+@torch.no_grad()
+def reached_misses(student: torch.Tensor, teacher: torch.Tensor, layout: SatLayout) -> torch.Tensor:
+    """(B, M) True where a SAT's first choice misses while every SAT before it in its run hit: the drafts that
+    greedy verification tests and rejects, where the drafter's failures cost accepted tokens."""
+    miss = (student.argmax(-1) != teacher.argmax(-1)).int()
+    before = miss.cumsum(-1) - miss  # misses earlier in the row, across runs
+    run = layout.run.to(miss.device)
+    first = torch.searchsorted(run, run)  # each SAT's run starts here (runs are contiguous and in order)
+    reached = before == before[:, first]
+    return reached & miss.bool()
 
 
 @torch.no_grad()
