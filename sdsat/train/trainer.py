@@ -205,52 +205,46 @@ def sat_logits(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, keep_s
     against it (the adapter's cheap path). Otherwise one pass over both, with gradients everywhere.
     """
     b, n = ids.shape
-    device = ids.device
-    keep_standard = keep_standard if keep_standard is not None else torch.arange(n)
+    keep_standard = (keep_standard if keep_standard is not None else torch.arange(n)).to(ids.device)
     if frozen_base:
-        with torch.no_grad():
-            standard, cache = _standard_pass(sat_model, ids, layout, sat_model.forward,
-                                             logits_to_keep=keep_standard.to(device))
-        return standard, _sat_pass(sat_model, ids, layout, cache, sat_model.forward)
-    mask = layout.attention_mask().to(device)
-    positions = layout.position_ids.to(device).expand(b, -1)
-    slots = layout.sat_slots.to(device).expand(b, -1)
-    full = torch.cat([ids, torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device)], 1)
-    keep = torch.cat([keep_standard, n + torch.arange(layout.num_sats)]).to(device)
+        return _frozen_base_passes(sat_model, ids, layout, sat_model.forward, logits_to_keep=keep_standard)
+    mask, positions, slots = _block(layout, ids)
+    full = torch.cat([ids, torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=ids.device)], 1)
+    keep = torch.cat([keep_standard, n + torch.arange(layout.num_sats, device=ids.device)])
     logits = sat_model.forward(full, slots, attention_mask=mask, position_ids=positions, logits_to_keep=keep)
     return logits[:, :len(keep_standard)], logits[:, len(keep_standard):]
 
 
 def sat_states(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout,
                keep_standard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden states at chosen standard positions (B, S, H), without gradients, and at every SAT (B, M, H).
-
-    The frozen-base path of `sat_logits` one step short of the head (`SatModel.head` turns either into logits).
-    """
+    """Final hidden states at chosen standard positions (B, S, H), without gradients, and at every SAT (B, M, H):
+    the frozen-base path of `sat_logits` one step short of the head (`SatModel.head` turns either into logits)."""
     if not sat_model.plain_head:
         raise ValueError("latent_weight needs a model whose logits are its head applied to the final hidden state "
-                         f"(one of {', '.join(SatModel._PLAIN_HEAD_TYPES)})")
-    with torch.no_grad():
-        standard, cache = _standard_pass(sat_model, ids, layout, sat_model.hidden_states)
-    return standard[:, keep_standard.to(ids.device)], _sat_pass(sat_model, ids, layout, cache,
-                                                                sat_model.hidden_states)
+                         "(a Llama, Mistral, Qwen or Phi-3 family model)")
+    standard, sats = _frozen_base_passes(sat_model, ids, layout, sat_model.hidden_states)
+    return standard[:, keep_standard.to(ids.device)], sats
 
 
-def _standard_pass(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, run, **kwargs):
-    n = ids.shape[1]
-    cache = DynamicCache(config=sat_model.model.config)
-    mask = layout.attention_mask().to(ids.device)[..., :n, :n]
-    positions = layout.position_ids.to(ids.device).expand(ids.shape[0], -1)[:, :n]
-    return run(ids, cache=cache, attention_mask=mask, position_ids=positions, **kwargs), cache
+def _block(layout: SatLayout, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout's 4-D mask, positions (B, T) and SAT slots (B, T) for a batch of ids."""
+    b = ids.shape[0]
+    return (layout.attention_mask().to(ids.device), layout.position_ids.to(ids.device).expand(b, -1),
+            layout.sat_slots.to(ids.device).expand(b, -1))
 
 
-def _sat_pass(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, cache, run) -> torch.Tensor:
+def _frozen_base_passes(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, run,
+                        **standard_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard tokens through `run` without gradients into a cache, then the SATs against it."""
     b, n = ids.shape
-    device = ids.device
-    slots = layout.sat_slots.to(device).expand(b, -1)[:, n:]
-    positions = layout.position_ids.to(device).expand(b, -1)[:, n:]
-    return run(torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=device), slots, cache=cache,
-               attention_mask=layout.attention_mask().to(device)[..., n:, :], position_ids=positions)
+    mask, positions, slots = _block(layout, ids)
+    cache = DynamicCache(config=sat_model.model.config)
+    with torch.no_grad():
+        standard = run(ids, cache=cache, attention_mask=mask[..., :n, :n], position_ids=positions[:, :n],
+                       **standard_kwargs)
+    sats = run(torch.zeros(b, layout.num_sats, dtype=ids.dtype, device=ids.device), slots[:, n:], cache=cache,
+               attention_mask=mask[..., n:, :], position_ids=positions[:, n:])
+    return standard, sats
 
 
 def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
