@@ -580,9 +580,38 @@ def test_reached_misses_marks_the_drafts_greedy_verification_would_test_and_reje
     # A second sequence of the batch is judged on its own misses.
     both = reached_misses(torch.cat([student, teacher]), torch.cat([teacher, teacher]), layout)
     assert both.tolist() == [[False, True, False, True, False, False], [False] * 6]
+    # Runs cut short at the sequence's end, listed in any order: each SAT is judged within its own run.
+    short = SatLayout(n=10, anchor=torch.tensor([6, 1, 6, 1, 7, 1]), slot=torch.tensor([1, 0, 0, 1, 0, 2]),
+                      run=torch.tensor([2, 0, 2, 0, 3, 0]))
+    teacher = torch.nn.functional.one_hot(torch.tensor([[1, 2, 3, 4, 5, 6]]), 8).float()
+    student = torch.nn.functional.one_hot(torch.tensor([[0, 2, 3, 0, 0, 6]]), 8).float()  # run 0: hit, miss, hit
+    assert reached_misses(student, teacher, short).tolist() == [[True, False, False, True, True, False]]
 
 
-def test_sat_states_are_the_states_sat_logits_project(real_tokenizer):
+def test_on_policy_weights_count_the_reached_misses_that_many_times_more():
+    """sat_loss with on_policy_weight w is the mean of the SATs' losses with each reached miss weighted 1 + w
+    (times the offset decay); with 0 it is the plain decayed mean."""
+    from sdsat.train.trainer import reached_misses, sat_loss
+
+    model = make_tiny_llama(vocab_size=64)
+    sat_model = random_adapter_model(model, num_sats=3, inject_layer=1)
+    ids = torch.randint(2, 64, (2, 30), generator=torch.Generator().manual_seed(0))
+    layout = sample_layout(30, runs=6, run_length=3, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        teacher, student = sat_logits(sat_model, ids, layout, layout.target_positions, frozen_base=True)
+    per_sat = torch.nn.functional.cross_entropy(student.transpose(1, 2), teacher.argmax(-1), reduction="none")
+    decay = 0.8 ** layout.slot.float()
+    flagged = reached_misses(student, teacher, layout)
+    assert flagged.any() and not flagged.all()
+    for w in (0.0, 3.0):
+        config = TrainConfig(mode="adapter", num_sats=3, on_policy_weight=w)
+        with torch.no_grad():
+            loss, _ = sat_loss(config, sat_model, ids, layout)
+        weights = decay * (1 + w * flagged.float())
+        assert torch.allclose(loss, (per_sat * weights).sum() / weights.sum(), rtol=1e-5), w
+
+
+def test_sat_states_are_the_states_sat_logits_project():
     from sdsat.train.trainer import sat_states
 
     model = make_tiny_llama(vocab_size=64)
@@ -608,9 +637,9 @@ def test_the_latent_term_pulls_sat_states_toward_the_standard_ones(tmp_path, rea
     data = dict(corpus=counting_corpus(32, 24, seed=0), progress=False)
     ids = torch.tensor(counting_corpus(4, 16, seed=9).sources["counting"])
     layout = sample_layout(16, runs=4, run_length=2, generator=torch.Generator().manual_seed(3))
-    distance = {}
-    wide = dict(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lr=3e-2, lr_schedule="constant")
-    richer = {**wide, "latent_weight": 5.0, "on_policy_weight": 1.0}
+    wide = dict(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], lr=3e-2, lr_schedule="constant",
+                on_policy_weight=1.0)  # room to move the state; the on-policy weights in both runs
+    richer = {**wide, "latent_weight": 5.0}
     distance, records = {}, {}
     for name, changes in (("control", wide), ("latent", richer)):
         records[name] = train(tiny_adapter_config(tmp_path / name, steps=100, **changes), model=model,

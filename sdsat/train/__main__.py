@@ -39,7 +39,8 @@ _HELP = {
              "or float32 (the shipped adapter's)",
     "offset_decay": "loss weight of SAT j is decay ** j (1.0: equal weights)",
     "latent_weight": "adapter: weight of the latent consistency term, each SAT row's final hidden state pulled "
-                     "toward the standard token's at the position it stands for (relative squared distance; 0: none)",
+                     "toward the standard token's at the position it stands for (relative squared distance, "
+                     "weighted per SAT as the token loss is, --on-policy-weight included; 0: none)",
     "on_policy_weight": "adapter: extra loss weight on SATs whose draft greedy decoding would test and reject (every "
                         "draft before it in its run right, its own wrong), found afresh each step (0: none)",
     "steps": "optimizer steps in total (a resumed run continues to this step)",

@@ -22,6 +22,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -215,13 +216,16 @@ def sat_logits(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, keep_s
     return logits[:, :len(keep_standard)], logits[:, len(keep_standard):]
 
 
+_NOT_PLAIN_HEAD = ("latent_weight needs a model whose logits are its head applied to the final hidden state (a "
+                   "Llama, Mistral, Qwen or Phi-3 family model)")
+
+
 def sat_states(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout,
                keep_standard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states at chosen standard positions (B, S, H), without gradients, and at every SAT (B, M, H):
     the frozen-base path of `sat_logits` one step short of the head (`SatModel.head` turns either into logits)."""
     if not sat_model.plain_head:
-        raise ValueError("latent_weight needs a model whose logits are its head applied to the final hidden state "
-                         "(a Llama, Mistral, Qwen or Phi-3 family model)")
+        raise ValueError(_NOT_PLAIN_HEAD)
     standard, sats = _frozen_base_passes(sat_model, ids, layout, sat_model.hidden_states)
     return standard[:, keep_standard.to(ids.device)], sats
 
@@ -233,7 +237,7 @@ def _block(layout: SatLayout, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Te
             layout.sat_slots.to(ids.device).expand(b, -1))
 
 
-def _frozen_base_passes(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, run,
+def _frozen_base_passes(sat_model: SatModel, ids: torch.Tensor, layout: SatLayout, run: Callable[..., torch.Tensor],
                         **standard_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The standard tokens through `run` without gradients into a cache, then the SATs against it."""
     b, n = ids.shape
@@ -290,13 +294,13 @@ def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
 @torch.no_grad()
 def reached_misses(student: torch.Tensor, teacher: torch.Tensor, layout: SatLayout) -> torch.Tensor:
     """(B, M) True where a SAT's first choice misses while every SAT before it in its run hit: the drafts that
-    greedy verification tests and rejects, where the drafter's failures cost accepted tokens."""
-    miss = (student.argmax(-1) != teacher.argmax(-1)).int()
-    before = miss.cumsum(-1) - miss  # misses earlier in the row, across runs
-    run = layout.run.to(miss.device)
-    first = torch.searchsorted(run, run)  # each SAT's run starts here (runs are contiguous and in order)
-    reached = before == before[:, first]
-    return reached & miss.bool()
+    greedy verification tests and rejects, where the drafter's failures cost accepted tokens. (On the base
+    model's own greedy text, as the corpus's greedy decodings are, the teacher's choices are that text.)"""
+    miss = student.argmax(-1) != teacher.argmax(-1)
+    run, slot = layout.run.to(miss.device), layout.slot.to(miss.device)
+    earlier = (run[:, None] == run[None, :]) & (slot[None, :] < slot[:, None])  # (M, M): SAT i's run-mates before it
+    reached = ~(miss[:, None, :] & earlier).any(-1)
+    return reached & miss
 
 
 @torch.no_grad()
@@ -449,6 +453,9 @@ def train(config: TrainConfig, model=None, tokenizer=None, corpus: Corpus | None
     eval_windows = _eval_windows(held_out, config.seq_len, separator)
 
     sat_model, params = prepare(config, model, tokenizer)
+    if config.latent_weight and not sat_model.plain_head:
+        sat_model.adapter.detach()
+        raise ValueError(_NOT_PLAIN_HEAD)
     sat_model.model.train(config.mode == "paper")
     if sat_model.adapter is not None:
         sat_model.adapter.float()  # attach() gave it the model's dtype; Adam needs float32 weights
