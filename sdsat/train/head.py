@@ -37,7 +37,7 @@ from transformers import DynamicCache
 
 from ..head import HeadConfig, SamplerHead, seen_after
 from ..layout import SatLayout
-from .trainer import write_atomically
+from .trainer import relative_distance, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def head_loss(config: HeadTrainConfig, head: SamplerHead, batch: dict[str, torch
     ce = (ce * weight).sum() / weight.sum().clamp(min=1)
     p = torch.einsum("nkh,nh->nk", cand_emb, h_std).log_softmax(-1)  # the model's distribution on the candidates
     kl = (p.exp() * (p - scores.log_softmax(-1))).sum(-1).mean()
-    latent = ((h + u - h_std) ** 2).sum(-1).div((h_std ** 2).sum(-1).clamp(min=1e-6)).mean()
+    latent = relative_distance(h + u, h_std).mean()
     loss = ce + config.kl_weight * kl + config.latent_weight * latent
     return loss, {"ce": ce.item(), "kl": kl.item(), "latent": latent.item()}
 

@@ -264,10 +264,8 @@ def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
             with torch.no_grad():
                 teacher = sat_model.head(standard_state)
             student = sat_model.head(sat_state)
-            # Relative squared distance to the state the standard token has there: the SAT row learns to be
-            # where ordinary decoding would be, not only to put the same token on top.
-            extra = ((sat_state.float() - standard_state.float()) ** 2).sum(-1) / (
-                standard_state.float() ** 2).sum(-1).clamp(min=1e-6)
+            # The SAT row learns to be where ordinary decoding would be, not only to put the same token on top.
+            extra = relative_distance(sat_state, standard_state)
         else:
             teacher, student = sat_logits(sat_model, ids, layout, targets, frozen_base=True)
         if config.target == "argmax":
@@ -289,6 +287,12 @@ def sat_loss(config: TrainConfig, sat_model: SatModel, ids: torch.Tensor,
     by_offset = [float(per_sat.detach()[:, slot == j].mean()) if bool((slot == j).any()) else math.nan
                  for j in range(config.num_sats)]
     return loss, by_offset
+
+
+def relative_distance(state: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """|state - target|² / |target|² over the last dimension, in float32: the latent consistency term's distance."""
+    target = target.float()
+    return ((state.float() - target) ** 2).sum(-1) / (target ** 2).sum(-1).clamp(min=1e-6)
 
 
 @torch.no_grad()
