@@ -286,6 +286,52 @@ def test_the_head_loss_falls_and_a_resumed_run_equals_an_uninterrupted_one(tmp_p
         train(head_config(tmp_path, "resumed", lr=1e-3), embed_in, embed_out, "tiny", chunks, progress=False)
 
 
+def test_a_run_started_from_a_trained_head_trains_its_mlp_beside_the_tables(tmp_path):
+    """`init_from`: the tables' weights and bigram-free terms come over; with the tables' own learning rate
+    near zero they stay, while the MLP learns; a head of other table terms is refused by name."""
+    sat_model, chunks = tiny_features(tmp_path)
+    embed_in = sat_model.model.get_input_embeddings().weight
+    embed_out = sat_model.model.get_output_embeddings().weight
+    train(head_config(tmp_path, "tables", width=0, lr=0.05), embed_in, embed_out, "tiny", chunks, progress=False)
+    tables = SamplerHead.load(tmp_path / "tables" / "head")
+    assert tables.context_weight.abs().sum() > 0
+    start = head_config(tmp_path, "mlp", init_from=str(tmp_path / "tables" / "head"), table_lr=1e-12)
+    record = train(start, embed_in, embed_out, "tiny", chunks, progress=False)
+    losses = [s["loss"] for s in record["steps"]]
+    assert sum(losses[-10:]) < sum(losses[:10]), losses
+    trained = SamplerHead.load(tmp_path / "mlp" / "head")
+    assert trained.out.weight.abs().sum() > 0
+    for name in ("pair_weight", "context_weight", "context3_weight"):
+        assert torch.allclose(getattr(trained, name), getattr(tables, name), atol=1e-6), name
+    with pytest.raises(ValueError, match="context3"):
+        train(head_config(tmp_path, "other", init_from=str(tmp_path / "tables" / "head"), context3=False),
+              embed_in, embed_out, "tiny", chunks, progress=False)
+    with pytest.raises(ValueError, match="table_lr"):
+        head_config(tmp_path, "bad", table_lr=-1.0).validate()
+
+
+def test_a_run_started_from_a_head_scores_as_that_head_before_its_first_step(tmp_path):
+    from sdsat.head import HeadConfig
+    from sdsat.train.head import _start_from
+
+    gen = torch.Generator().manual_seed(3)
+    trained = SamplerHead(HeadConfig(base_model="tiny", hidden_size=32, num_sats=3, width=0, candidates=8,
+                                     context=True, context3=True))
+    with torch.no_grad():
+        for weight in (trained.pair_weight, trained.context_weight, trained.context3_weight):
+            weight.copy_(torch.rand(3, generator=gen))
+    fresh = SamplerHead(HeadConfig(base_model="tiny", hidden_size=32, num_sats=3, width=16, candidates=8,
+                                   context=True, context3=True))
+    _start_from(fresh, trained)
+    h, embed = torch.randn(5, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    prev, slot = torch.randint(0, 64, (5,), generator=gen), torch.tensor([0, 1, 2, 0, 1])
+    cand = torch.randint(0, 64, (5, 8), generator=gen)
+    z, seen = torch.randn(5, 8, generator=gen), torch.randint(0, 3, (5, 8), generator=gen)
+    a, _ = fresh.scores(h, prev, slot, cand, z, embed, embed, seen, seen)
+    b, _ = trained.scores(h, prev, slot, cand, z, embed, embed, seen, seen)
+    assert torch.equal(a, b)
+
+
 def test_the_drafts_benchmark_reads_the_head_as_decoding_does():
     """`along_head` without a head gives `along`'s logits; with one, each SAT's row is the head's, conditioned on
     the output token before the drafted one (for SAT 1, t)."""

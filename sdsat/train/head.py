@@ -54,6 +54,9 @@ class HeadTrainConfig:
     bigrams: str = ""  # a bigram table (`python -m sdsat.train.head bigrams`) for the head's w_j log P(c | prev)
     context: bool = False  # the head also reads how often prev was followed by each candidate earlier in the text
     context3: bool = False  # ... and how often the two tokens before the draft were (features with `seen3`)
+    init_from: str = ""  # a trained head's folder: its table weights and bigram table start this run, which
+    # then begins exactly at that head (the MLP's output starts at zero); its table terms and K must match
+    table_lr: float = 0.0  # peak learning rate of the table weights w_j, v_j, x_j (0: `lr`)
     width: int = 512  # head: hidden units of the MLP (0: none, the bigram term alone)
     depth: int = 1  # head: hidden layers (2: the two-layer variant)
     candidates: int = 16  # head: K, top candidates rescored (at most STORED_CANDIDATES)
@@ -77,8 +80,12 @@ class HeadTrainConfig:
             raise ValueError(f"candidates must be between 1 and {STORED_CANDIDATES}, got {self.candidates}")
         if self.depth < 1 or self.width < 0 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("depth, steps and batch_size must be at least 1, width at least 0")
-        if not self.width and not self.bigrams and not self.context and not self.context3:
+        if not self.width and not self.bigrams and not self.context and not self.context3 and not self.init_from:
             raise ValueError("a head needs an MLP (width > 0), a bigram table (--bigrams), --context or --context3")
+        if self.table_lr < 0:
+            raise ValueError(f"table_lr must be at least 0 (0: the same as lr), got {self.table_lr}")
+        if self.init_from and self.bigrams:
+            raise ValueError("init_from brings its own bigram table: leave out bigrams")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be a share between 0 and 1, got {self.held_out}")
 
@@ -264,10 +271,14 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     total = len(train_rows["target"])
     torch.manual_seed(config.seed)
     hidden = train_rows["sat_hidden"].shape[1]
+    start_head = SamplerHead.load(config.init_from) if config.init_from else None
     head = SamplerHead(HeadConfig(base_model=base_model, hidden_size=hidden, num_sats=config.slots,
                                   width=config.width, depth=config.depth, candidates=config.candidates,
-                                  vocab_size=len(embed_out) if config.bigrams else 0, context=config.context,
-                                  context3=config.context3))
+                                  vocab_size=len(embed_out) if config.bigrams or (
+                                      start_head and start_head.config.vocab_size) else 0,
+                                  context=config.context, context3=config.context3))
+    if start_head is not None:
+        _start_from(head, start_head)
     if config.context and "seen" not in train_rows:
         raise ValueError("--context needs features with context counts: "
                          "run `python -m sdsat.train.head extract --add-seen` on them")
@@ -277,7 +288,10 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     if config.bigrams:
         head.set_bigrams(torch.load(config.bigrams))
     embed_in, embed_out = embed_in.detach().float(), embed_out.detach().float()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    tables = [head.pair_weight, head.context_weight, head.context3_weight]
+    rest = [p for p in head.parameters() if all(p is not t for t in tables)]
+    groups = [{"params": tables, "lr": config.table_lr or config.lr}] + ([{"params": rest}] if rest else [])
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
 
     def schedule(step: int) -> float:
         if step < config.warmup:
@@ -327,6 +341,24 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     head.save(out / "head")
     write_atomically(out / "training_record.json", json.dumps(record) + "\n")
     return record
+
+
+def _start_from(head: SamplerHead, start: SamplerHead) -> None:
+    """Give `head` the table weights and bigram table of a trained head of the same table terms and K."""
+    mine, theirs = head.config, start.config
+    for name in ("hidden_size", "num_sats", "candidates", "vocab_size", "context", "context3"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ValueError(f"init_from: the head there has {name} {getattr(theirs, name)}, this run "
+                             f"{getattr(mine, name)}; give the run the same (--slots, --candidates, --context, "
+                             "--context3)")
+    if theirs.width:
+        raise ValueError("init_from: start from a head of table terms alone (width 0)")
+    if theirs.vocab_size:
+        head.set_bigrams({"bigram_keys": start.bigram_keys, "bigram_counts": start.bigram_counts,
+                          "prev_counts": start.prev_counts})
+    with torch.no_grad():
+        for name in ("pair_weight", "context_weight", "context3_weight"):
+            getattr(head, name).copy_(getattr(start, name))
 
 
 def _checkpoint(path: Path, config, head, optimizer, scheduler, generator, record, step: int, wall: float) -> None:
