@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import make_tiny_llama
 from sdsat.train import corpus
@@ -149,8 +151,11 @@ def test_a_build_can_take_another_builds_prompts_with_its_own_batches(recipe, ti
     key = other.key()
     prompts.write_bytes(gzip.compress(b'{"text": "x = 1", "chat": false}\n'))
     assert other.key() != key  # the prompt file counts by its contents
-    # Builds begun before these settings existed resume: the default recipe's key is the one they stored.
-    assert corpus.CorpusRecipe(out="a").key() == corpus.CorpusRecipe(out="b", max_prompts=0).key() == "795b86f603290788"
+    # Builds begun before these settings existed (in bfloat16, then the default) resume: their key is the one
+    # they stored.
+    old = dict(dtype="bfloat16")
+    assert corpus.CorpusRecipe(out="a", **old).key() == corpus.CorpusRecipe(out="b", max_prompts=0, **old).key() == \
+        "795b86f603290788"
 
 
 def test_a_build_can_keep_to_greedy_text(recipe, tiny, real_tokenizer, tmp_path, capsys):
@@ -163,9 +168,32 @@ def test_a_build_can_keep_to_greedy_text(recipe, tiny, real_tokenizer, tmp_path,
     assert len({s["mode"] for s in _shard(corpus.shard_path(tmp_path / "corpus", 0))}) > 1
     assert greedy.key() != recipe.key()
     for every in ([], ["t1.0", "greedy", "t0.7", "greedy"]):  # all of them, however named, is the default
-        assert corpus.CorpusRecipe(modes=every).key() == "795b86f603290788"
+        assert corpus.CorpusRecipe(modes=every, dtype="bfloat16").key() == "795b86f603290788"
     capsys.readouterr()
     assert corpus.main(["--out", str(tmp_path / "bad"), "--modes", "t2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "modes must be names among greedy, t0.7, t1.0; got ['t2']" in err, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_auto_precision_build_resumes_in_the_precision_it_was_begun_in(recipe, tiny, real_tokenizer, tmp_path):
+    """--dtype auto (the default) is resolved once per folder: a build begun in bfloat16 resumes in it (the key
+    its manifest stored), and a new folder takes the given model's precision."""
+    begun = corpus.CorpusRecipe(**{**vars(recipe), "dtype": "bfloat16"})
+    corpus.build(begun, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    assert recipe.dtype == "auto"
+    corpus.build(recipe, shards=2, model=tiny, tokenizer=real_tokenizer, progress=False)
+    assert corpus.shard_path(Path(recipe.out), 1).is_file()
+    assert corpus.stored_dtype(Path(recipe.out)) == "bfloat16"
+    fresh = corpus.CorpusRecipe(**{**vars(recipe), "out": str(tmp_path / "fresh")})
+    corpus.build(fresh, shards=1, model=tiny, tokenizer=real_tokenizer, progress=False)
+    assert corpus.stored_dtype(tmp_path / "fresh") == "float32"
+
+
+def test_the_batched_precision_is_timed_on_a_copy_and_the_model_is_left_as_it_was(tiny):
+    from sdsat.train.precision import fastest_batched_dtype
+
+    chosen, seconds = fastest_batched_dtype(tiny, batch=2, length=8, repeats=1)
+    assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
+    assert chosen == min(seconds, key=seconds.get)
+    assert next(tiny.parameters()).dtype == torch.float32

@@ -31,7 +31,7 @@ import random
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ from .. import ASSETS
 from ..models import DEFAULT_MODEL, LoadConfig, load_model
 from ..prompts import encode_prompt
 from .data import HumanEvalFilter, chat_instructions
+from .precision import resolve_batched_dtype
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,8 @@ class CorpusRecipe:
     max_new_tokens: int = 192  # new tokens per completion
     max_prompt_tokens: int = 256  # longer prompts are left out (their prefill would cost more than their completion)
     chat_share: float = 0.4  # share of chat prompts in the interleaved list
-    dtype: str = "bfloat16"  # precision of the generation (the corpus is text: its tokens, not its numerics)
+    dtype: str = "auto"  # precision of the generation (the corpus is text: its tokens, not its numerics); auto:
+    # the faster for batches on this machine, measured (`precision`), and kept in the manifest for a resume
     roots: list[str] = field(default_factory=list)  # folders of Python files; empty: stdlib and site-packages
     # another build's prompts.jsonl.gz, used as the prompt list (its first `max_prompts` rows; 0: all) in
     # place of reading this machine's files: a GPU build on the prompts of a CPU build, with its own batches
@@ -291,8 +293,21 @@ def prepare(recipe: CorpusRecipe) -> list[dict]:
     return rows
 
 
+def stored_dtype(out: Path) -> str | None:
+    """The precision a build in `out` was begun in (None where none was): a resume keeps it."""
+    manifest = out / MANIFEST_FILE
+    return json.loads(manifest.read_text())["recipe"]["dtype"] if manifest.is_file() else None
+
+
 def build(recipe: CorpusRecipe, shards: int | None = None, model=None, tokenizer=None, progress: bool = True) -> dict:
-    """Build the missing shards among the first `shards` (all when None); returns counts of what is on disk."""
+    """Build the missing shards among the first `shards` (all when None); returns counts of what is on disk.
+    A recipe's "auto" precision becomes the one the build in its folder was begun in, else the given model's,
+    else the faster on this machine (`precision.resolve_batched_dtype`)."""
+    recipe.decodings()  # an unknown mode: refused before a model is loaded
+    if recipe.dtype == "auto":
+        given = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else None
+        recipe = replace(recipe, dtype=stored_dtype(Path(recipe.out)) or given
+                         or resolve_batched_dtype("auto", recipe.model))
     rows = prepare(recipe)
     out = Path(recipe.out)
     total = -(-len(rows) // recipe.shard_prompts)

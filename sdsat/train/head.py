@@ -466,7 +466,9 @@ def _main(argv: list[str] | None) -> int:
         else:
             tr.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     for p in (ex, bi, tr):
-        p.add_argument("--dtype", default="bfloat16", help="precision of the model (default bfloat16)")
+        p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="precision of the model (default auto: for extract, the faster for batches on this "
+                            "machine, measured)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = vars(parser.parse_args(argv))
     stage, dtype, threads = args.pop("stage"), args.pop("dtype"), args.pop("threads")
@@ -484,6 +486,10 @@ def _main(argv: list[str] | None) -> int:
         print(json.dumps({"pairs": len(table["bigram_keys"]), "tokens": int(table["prev_counts"].sum())}))
         return 0
     adapter = args.pop("adapter", None) or str(DEFAULT_ADAPTER)
+    if stage == "extract":
+        from .precision import resolve_batched_dtype
+
+        dtype = resolve_batched_dtype(dtype, DEFAULT_MODEL)
     engine = Engine.load(LoadConfig(model=DEFAULT_MODEL, dtype=dtype, measure_kernels=False),
                          SatSource(adapter=adapter) if stage == "extract" else None)
     model = engine.sat_model.model
