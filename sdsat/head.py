@@ -46,6 +46,7 @@ class HeadConfig:
     num_sats: int = 5  # SAT positions with weights of their own (= the adapter's largest k); later ones share the last
     width: int = 512  # hidden units of the MLP (0: no MLP, the table terms alone)
     depth: int = 1  # hidden layers of the MLP (1: one hidden layer; 2: the two-layer variant)
+    dropout: float = 0.0  # of the MLP's hidden units, in training only
     candidates: int = 16  # K: each SAT's top-K candidates are rescored; the others get no mass
     vocab_size: int = 0  # V of the bigram table (0: no bigram term)
     context: bool = False  # also v_j log(1 + how often prev was followed by c earlier in this text)
@@ -106,9 +107,10 @@ class SamplerHead(nn.Module):
         if not self.config.width:
             return torch.zeros_like(h)
         x = torch.cat([self.norm_h(h), self.norm_prev(prev)], -1)
-        x = nn.functional.gelu(self.inp(x) + self.position[slot])
+        drop = self.config.dropout if self.training else 0.0
+        x = nn.functional.dropout(nn.functional.gelu(self.inp(x) + self.position[slot]), drop)
         for layer in self.layers:
-            x = nn.functional.gelu(layer(x))
+            x = nn.functional.dropout(nn.functional.gelu(layer(x)), drop)
         return self.out(x)
 
     def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,

@@ -332,6 +332,24 @@ def test_a_run_started_from_a_head_scores_as_that_head_before_its_first_step(tmp
     assert torch.equal(a, b)
 
 
+def test_the_mlps_dropout_acts_in_training_only(tmp_path):
+    from sdsat.head import HeadConfig
+
+    head = SamplerHead(HeadConfig(base_model="tiny", hidden_size=32, num_sats=3, width=64, dropout=0.5))
+    with torch.no_grad():
+        head.out.weight.normal_()
+    gen = torch.Generator().manual_seed(0)
+    h, prev, slot = torch.randn(4, 32, generator=gen), torch.randn(4, 32, generator=gen), torch.tensor([0, 1, 2, 0])
+    head.train()
+    assert not torch.equal(head.correction(h, prev, slot), head.correction(h, prev, slot))
+    head.save(tmp_path)
+    loaded = SamplerHead.load(tmp_path)  # loads for decoding: no dropout
+    assert loaded.config.dropout == 0.5 and torch.equal(loaded.correction(h, prev, slot),
+                                                        loaded.correction(h, prev, slot))
+    with pytest.raises(ValueError, match="dropout"):
+        HeadTrainConfig(dropout=1.0).validate()
+
+
 def test_the_drafts_benchmark_reads_the_head_as_decoding_does():
     """`along_head` without a head gives `along`'s logits; with one, each SAT's row is the head's, conditioned on
     the output token before the drafted one (for SAT 1, t)."""

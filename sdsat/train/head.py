@@ -59,6 +59,7 @@ class HeadTrainConfig:
     table_lr: float = 0.0  # peak learning rate of the table weights w_j, v_j, x_j (0: `lr`)
     width: int = 512  # head: hidden units of the MLP (0: none, the bigram term alone)
     depth: int = 1  # head: hidden layers (2: the two-layer variant)
+    dropout: float = 0.0  # head: dropout of the MLP's hidden units while training
     candidates: int = 16  # head: K, top candidates rescored (at most STORED_CANDIDATES)
     steps: int = 1500  # optimizer steps
     batch_size: int = 1024  # SAT rows per step
@@ -86,6 +87,8 @@ class HeadTrainConfig:
             raise ValueError(f"table_lr must be at least 0 (0: the same as lr), got {self.table_lr}")
         if self.init_from and self.bigrams:
             raise ValueError("init_from brings its own bigram table: leave out bigrams")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be at least 0 and below 1, got {self.dropout}")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must be a share between 0 and 1, got {self.held_out}")
 
@@ -237,12 +240,15 @@ def evaluate(config: HeadTrainConfig, head: SamplerHead | None, rows: dict[str, 
     counts where it and the drafts before it in its run equal the model's tokens (cumulative)."""
     slot = rows["slot"].long()
     top = []
+    was_training = head.training
+    head.eval()
     for first in range(0, len(slot), batch):
         part = {name: value[first:first + batch] for name, value in rows.items()}
         cand, z = part["cand"][:, :config.candidates].long(), part["cand_logits"][:, :config.candidates].float()
         scores, _ = head.scores(part["sat_hidden"].float(), part["prev"].long(), part["slot"].long(), cand, z,
                                 embed_in, embed_out, *_context_counts(config, part))
         top.append(cand.gather(-1, scores.argmax(-1, keepdim=True))[:, 0])
+    head.train(was_training)
     right = {"head": torch.cat(top) == rows["target"].long(), "sats": rows["cand"][:, 0] == rows["target"]}
     runs = int((slot == 0).sum())
     per_run = int(slot.max()) + 1
@@ -273,7 +279,8 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     hidden = train_rows["sat_hidden"].shape[1]
     start_head = SamplerHead.load(config.init_from) if config.init_from else None
     head = SamplerHead(HeadConfig(base_model=base_model, hidden_size=hidden, num_sats=config.slots,
-                                  width=config.width, depth=config.depth, candidates=config.candidates,
+                                  width=config.width, depth=config.depth, dropout=config.dropout,
+                                  candidates=config.candidates,
                                   vocab_size=len(embed_out) if config.bigrams or (
                                       start_head and start_head.config.vocab_size) else 0,
                                   context=config.context, context3=config.context3))
