@@ -12,7 +12,8 @@ that), prev:
 P(c | prev) is a bigram table counted over code and prose on the machine, n(prev, c) how often prev was
 followed by c earlier in this text (the prompt and what was decoded), n(prev2, prev, c) how often the two
 tokens before the draft were; each term is optional. The shipped
-head has the three table terms and no MLP (its record, sampler_head_record.json, says why). u_j shifts h_j,
+head has the three table terms and an MLP of width 256 trained beside them once they had converged (its record,
+sampler_head_record.json, says how). u_j shifts h_j,
 so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per
 draft, sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
 distribution q_j is the head's exact one: the sampler's warpers and softmax over its K candidates (its logits
