@@ -249,11 +249,11 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
         if choices is None or set(choices) == {"linear"}:
             continue
         for module in modules:
-            module._sdsat_choices = choices
-            module._sdsat_packed = (
+            packed = (  # before any attribute is set: a pack this CPU cannot make leaves the layer as it was
                 _packed(memo, module, "invariant", lambda w: _pack_chunks(w, MAX_ROWS)) if "invariant" in choices
                 else _packed(memo, module, f"onednn_packed {len(choices)}", lambda w: _pack(w, len(choices)))
                 if "onednn_packed" in choices else None)
+            module._sdsat_choices, module._sdsat_packed = choices, packed
             module.forward = types.MethodType(_routed_forward, module)
             routed += 1
     return routed
@@ -300,8 +300,9 @@ def _packed(memo: dict | None, module: nn.Linear, packing: str, pack):
 def uninstall(model: nn.Module) -> None:
     model.__dict__.pop("_sdsat_kernel_plan", None)
     for module in model.modules():
-        if isinstance(module, nn.Linear) and "_sdsat_choices" in module.__dict__:
-            del module.forward, module._sdsat_choices, module._sdsat_packed
+        if isinstance(module, nn.Linear):
+            for name in ("forward", "_sdsat_choices", "_sdsat_packed"):
+                module.__dict__.pop(name, None)
 
 
 def routed(module: nn.Module) -> bool:

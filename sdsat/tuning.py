@@ -147,6 +147,9 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     if on_cpu and form in (COMPILED, ROUTED_COMPILED) and native.build() is None:  # before anything is changed
         raise RuntimeError(f"the {form} form needs the compiled kernels, which cannot be built here")
+    if on_cpu and form in EXACT_FORMS and not cpu_kernels.invariant_available(getattr(torch, precision)):
+        raise RuntimeError(f"the {form} form needs oneDNN's blocked {precision} products, which this CPU or torch "
+                           "lacks")
     cpu_kernels.uninstall(model)
     dtype = getattr(torch, precision)
     buffers = _float_buffers(model)  # the rotary frequencies: .to() would round them to `dtype` for good
@@ -330,7 +333,9 @@ def _routed_forms(precision: str) -> list[str]:
 def exact_forms(precision: str) -> tuple[str, ...]:
     """The row-invariant forms tried for `precision`, in order: the compiled attention where the compiled kernels
     are built for this machine (native.built) and not turned off; the keyed attention in bfloat16 alone (in other
-    precisions it would compute as the tiled form does)."""
+    precisions it would compute as the tiled form does); none where this CPU or torch lacks their products."""
+    if not cpu_kernels.invariant_available(getattr(torch, precision)):  # none without oneDNN's products in it
+        return ()
     compiled = attention.compiled_enabled() and native.built()
     return tuple(f for f in EXACT_FORMS if (f != KEYED or precision == "bfloat16") and (f != COMPILED or compiled))
 

@@ -52,7 +52,9 @@ def test_json_output_has_the_result_and_its_records(sdsat_json: dict):
     assert 0 < len(out["token_ids"]) <= int(NEW_TOKENS) and out["text"].strip()
     assert out["seconds"] > 0 and out["tokens_per_second"] > 0
     assert [t for step in out["steps"] for t in step["tokens"]] == out["token_ids"]
-    assert out["forward_passes"] == 2 * len(out["steps"]) == sum(len(s["pass_seconds"]) for s in out["steps"])
+    # a verify pass per step, and a draft pass unless the step's drafts came from elsewhere (prompt lookup)
+    assert out["forward_passes"] == sum(len(s["pass_seconds"]) for s in out["steps"])
+    assert len(out["steps"]) < out["forward_passes"] <= 2 * len(out["steps"])
     assert all({"drafts", "accepted", "rejected", "sources", "kv_len"} <= set(step) for step in out["steps"])
 
 

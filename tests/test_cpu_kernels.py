@@ -23,6 +23,8 @@ def _plan_of(model: nn.Module, variant: str, max_rows: int = 8) -> KernelPlan:
 
 
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+ONEDNN_BF16 = pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bfloat16),
+                                 reason="oneDNN's bfloat16 products need AVX-512 or AMX, which this CPU lacks")
 
 
 @pytest.mark.parametrize("variant", [v if not v.startswith("onednn") else pytest.param(v, marks=ONEDNN)
@@ -102,7 +104,9 @@ def test_wide_blocks_are_timed_at_a_few_row_counts_and_take_the_next_ones_choice
 @ONEDNN
 def test_onednn_forms_are_offered_and_the_packed_copy_only_below_the_limit():
     assert cpu_kernels._available_variants(1 << 20) == VARIANTS
-    assert cpu_kernels._available_variants(1 << 20, torch.bfloat16) == VARIANTS  # bfloat16 weights too
+    # bfloat16 weights too, where the CPU has the instructions oneDNN's bfloat16 path needs; else only ours
+    bf16 = cpu_kernels._available_variants(1 << 20, torch.bfloat16)
+    assert bf16 == (VARIANTS if cpu_kernels.invariant_available(torch.bfloat16) else ("linear", "weight_left"))
     assert cpu_kernels._available_variants(cpu_kernels.COPY_LIMIT_BYTES + 1) == ("linear", "weight_left", "onednn")
 
 
@@ -191,7 +195,7 @@ def test_a_plan_with_bad_entries_is_set_aside_and_tuned_again(tmp_path, monkeypa
 
 
 @ONEDNN
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)])
 def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(dtype):
     """Inputs wider than one chunk (down_proj's 1536 in SmolLM2) are cut into chunks: every row of a block of
     2..40 rows equals the row multiplied alone, bit for bit, and the product agrees with nn.Linear."""
@@ -230,10 +234,12 @@ def test_a_tuning_packs_each_weight_once_and_a_changed_weight_again():
         assert layer._sdsat_packed is not first
         with torch.inference_mode():
             torch.testing.assert_close(layer(x), x @ layer.weight.t())  # the doubled weight's product
-        doubled = layer.weight.data
-        layer.weight.data = doubled.to(torch.bfloat16)  # a conversion: a new tensor
+        doubled, before = layer.weight.data, layer._sdsat_packed
+        # a conversion: a new tensor (a float32 copy where this CPU has no oneDNN bfloat16 products)
+        converted = doubled.to(torch.bfloat16) if cpu_kernels.invariant_available(torch.bfloat16) else doubled.clone()
+        layer.weight.data = converted
         cpu_kernels.install(model, plan)
-        assert layer._sdsat_packed[0].dtype == torch.bfloat16
+        assert layer._sdsat_packed is not before and layer._sdsat_packed[0].dtype == converted.dtype
         layer.weight.data = doubled  # put back, as `tuning.trying` does: the bfloat16 pack is stale now
         cpu_kernels.drop_stale_packs(model)
         assert not model._sdsat_pack_memo
