@@ -24,6 +24,7 @@ import argparse
 import ast
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from .. import ASSETS
 from ..models import DEFAULT_MODEL, LoadConfig, load_model
 from ..prompts import encode_prompt
 from .data import HumanEvalFilter, chat_instructions
+from .instructions import varied_instructions
 from .precision import resolve_batched_dtype
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 # (name, temperature, top_p): temperature 0 is greedy. The page's sampling defaults and the benchmark's.
 MODES = (("greedy", 0.0, 1.0), ("t0.7", 0.7, 0.95), ("t1.0", 1.0, 1.0))
 MODE_NAMES = tuple(name for name, _, _ in MODES)
+INSTRUCTIONS = ("templates", "varied")  # CorpusRecipe.instructions
 PROMPTS_FILE, MANIFEST_FILE = "prompts.jsonl.gz", "corpus.json"
 HELD_OUT_PROMPTS = ASSETS / "prompts"  # every *.jsonl here is a benchmark suite: none of it is trained on
 
@@ -64,6 +67,10 @@ class CorpusRecipe:
     max_new_tokens: int = 192  # new tokens per completion
     max_prompt_tokens: int = 256  # longer prompts are left out (their prefill would cost more than their completion)
     chat_share: float = 0.4  # share of chat prompts in the interleaved list
+    # the chat instructions besides those made from docstrings: "templates" (10 tasks over 34 topics, the
+    # first builds') or "varied" (instructions.py: everyday and technical topics, writing, code in several
+    # languages, the shell's commands and the installed software)
+    instructions: str = "templates"
     dtype: str = "auto"  # precision of the generation (the corpus is text: its tokens, not its numerics); auto:
     # the faster for batches on this machine, measured (`precision`), and kept in the manifest for a resume
     roots: list[str] = field(default_factory=list)  # folders of Python files; empty: stdlib and site-packages
@@ -93,6 +100,8 @@ class CorpusRecipe:
             fixed["prompts_from"] = hashlib.sha256(gzip.decompress(Path(self.prompts_from).read_bytes())).hexdigest()
         if self.max_prompts:
             fixed["max_prompts"] = self.max_prompts
+        if self.instructions == "templates":
+            del fixed["instructions"]
         return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -181,9 +190,18 @@ def build_prompts(recipe: CorpusRecipe, keep: HumanEvalFilter, held_out: set[str
     rng.shuffle(code)
     chat = [template.format(sig=sig, doc=doc) for sig, doc in sorted(set(described))
             for template in [rng.choice(_FROM_DOCSTRING)]]
-    chat = [c for c in chat if not keep(c)] + chat_instructions(10_000, rng) + [row[0] for row in CHAT_EXAMPLES]
-    chat = sorted(set(chat) - {row[0] for row in EXAMPLES})
-    rng.shuffle(chat)
+    chat = [c for c in chat if not keep(c)]
+    if recipe.instructions == "templates":
+        chat = sorted(set(chat + chat_instructions(10_000, rng) + [row[0] for row in CHAT_EXAMPLES])
+                      - {row[0] for row in EXAMPLES})
+        rng.shuffle(chat)
+    else:  # the varied instructions take turns with those from docstrings, which would otherwise outnumber them
+        chat = sorted(set(chat))
+        rng.shuffle(chat)
+        varied = [c for c in varied_instructions(rng) if not keep(c)]
+        turns = itertools.chain.from_iterable(itertools.zip_longest(varied, chat))
+        chat = [c for c in dict.fromkeys(turns) if c is not None and c not in {row[0] for row in EXAMPLES}]
+        chat += [row[0] for row in CHAT_EXAMPLES if row[0] not in set(chat)]
     code = [row[0] for row in EXAMPLES if not row[1]] + code
     chat = [row[0] for row in EXAMPLES if row[1]] + chat
     code, chat = ([t for t in texts if t not in held_out] for texts in (code, chat))
@@ -266,6 +284,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def prepare(recipe: CorpusRecipe) -> list[dict]:
     """The prompt list, made once and kept in the folder with the recipe (a resume reads it back)."""
     recipe.decodings()  # an unknown mode: refused before anything is written
+    if recipe.instructions not in INSTRUCTIONS:
+        raise ValueError(f"instructions must be one of {', '.join(INSTRUCTIONS)}, got {recipe.instructions!r}")
     if recipe.max_prompts < 0:
         raise ValueError(f"max_prompts must be 0 (all) or more, got {recipe.max_prompts}")
     if recipe.prompts_from and not Path(recipe.prompts_from).is_file():
