@@ -15,6 +15,7 @@ wider blocks and gradients use `nn.Linear` as is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import types
@@ -115,9 +116,10 @@ def _chunked_product(x: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tenso
     return out.to(x.dtype)
 
 
+@functools.cache
 def invariant_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this torch build and CPU run the invariant form in `dtype` (oneDNN's blocked products are
-    internal to torch, and its bfloat16 path needs AVX-512 or AMX)."""
+    internal to torch, and its bfloat16 path needs AVX-512 or AMX). Fixed for a process: asked once."""
     return "onednn_packed" in _available_variants(0, dtype)
 
 

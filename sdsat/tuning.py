@@ -147,11 +147,11 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
     if on_cpu and form in (COMPILED, ROUTED_COMPILED) and native.build() is None:  # before anything is changed
         raise RuntimeError(f"the {form} form needs the compiled kernels, which cannot be built here")
-    if on_cpu and form in EXACT_FORMS and not cpu_kernels.invariant_available(getattr(torch, precision)):
+    dtype = getattr(torch, precision)
+    if on_cpu and form in EXACT_FORMS and not cpu_kernels.invariant_available(dtype):
         raise RuntimeError(f"the {form} form needs oneDNN's blocked {precision} products, which this CPU or torch "
                            "lacks")
     cpu_kernels.uninstall(model)
-    dtype = getattr(torch, precision)
     buffers = _float_buffers(model)  # the rotary frequencies: .to() would round them to `dtype` for good
     model.to(dtype)
     _put_buffers(model, buffers)

@@ -37,6 +37,7 @@ from transformers import DynamicCache
 
 from ..head import HeadConfig, SamplerHead, seen_after
 from ..layout import SatLayout
+from .precision import resolve_batched_dtype
 from .trainer import relative_distance, write_atomically
 
 log = logging.getLogger(__name__)
@@ -494,8 +495,6 @@ def _main(argv: list[str] | None) -> int:
         return 0
     adapter = args.pop("adapter", None) or str(DEFAULT_ADAPTER)
     if stage == "extract":
-        from .precision import resolve_batched_dtype
-
         dtype = resolve_batched_dtype(dtype, DEFAULT_MODEL)
     engine = Engine.load(LoadConfig(model=DEFAULT_MODEL, dtype=dtype, measure_kernels=False),
                          SatSource(adapter=adapter) if stage == "extract" else None)
