@@ -200,8 +200,10 @@ def build_prompts(recipe: CorpusRecipe, keep: HumanEvalFilter, held_out: set[str
         rng.shuffle(chat)
         varied = [c for c in varied_instructions(rng) if not keep(c)]
         turns = itertools.chain.from_iterable(itertools.zip_longest(varied, chat))
-        chat = [c for c in dict.fromkeys(turns) if c is not None and c not in {row[0] for row in EXAMPLES}]
-        chat += [row[0] for row in CHAT_EXAMPLES if row[0] not in set(chat)]
+        examples = {row[0] for row in EXAMPLES}
+        chat = [c for c in dict.fromkeys(turns) if c is not None and c not in examples]
+        taken = examples | set(chat)
+        chat += [text for text in dict.fromkeys(row[0] for row in CHAT_EXAMPLES) if text not in taken]
     code = [row[0] for row in EXAMPLES if not row[1]] + code
     chat = [row[0] for row in EXAMPLES if row[1]] + chat
     code, chat = ([t for t in texts if t not in held_out] for texts in (code, chat))

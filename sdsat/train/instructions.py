@@ -16,10 +16,11 @@ import gzip
 import itertools
 import random
 import re
+import zlib
 from pathlib import Path
 
 _EXPLAIN = [
-    "Explain {} in simple terms.", "What is {}? Keep it short.", "Give me a quick overview of {}.",
+    "Explain {} in simple terms.", "Tell me briefly about {}.", "Give me a quick overview of {}.",
     "Why should I care about {}?", "What are the pros and cons of {}?", "List three facts about {}.",
     "How would you describe {} to a ten-year-old?", "What are common misconceptions about {}?",
     "Write a short paragraph about {}.", "What should a beginner know about {}?",
@@ -54,8 +55,8 @@ _TOPICS = [
     "recycling", "minimalism", "volunteering", "adopting a dog", "caring for a cat", "first aid",
 ]
 _WRITE = [
-    "Write a short, friendly message {}.", "Draft a polite email {}.", "Write a two-line note {}.",
-    "Write a short story about someone {}.", "Write a four-line poem about {}.", "Write a limerick about {}.",
+    "Write a short, friendly message about {}.", "Draft a polite email about {}.", "Write a two-line note about {}.",
+    "Write a short story about {}.", "Write a four-line poem about {}.", "Write a limerick about {}.",
     "Give me a catchy title for an article about {}.", "Write a tweet-length post about {}.",
 ]
 _SITUATIONS = [
@@ -87,7 +88,7 @@ _ACTIONS = [
     "groups people by their age", "sorts a list of dictionaries by a key", "checks balanced parentheses",
 ]
 _SHELL = [
-    "How do I use `{0}` to {1}?", "What does the `{0}` command do? Show one example.",
+    "How do I use `{0}` ({1})?", "What does the `{0}` command do? Show one example.",
     "Explain the `{0}` command ({1}) in two sentences.", "Give me a practical example of `{0}`.",
 ]
 _SOFTWARE = ["What is {0} used for? It is described as: {1}.", "When would I install {0} ({1})?"]
@@ -99,7 +100,7 @@ def man_summaries(folder: Path = Path("/usr/share/man/man1")) -> list[tuple[str,
     for path in sorted(folder.glob("*.gz")):
         try:
             text = gzip.decompress(path.read_bytes())[:20_000].decode("utf-8", "replace")
-        except (OSError, EOFError, gzip.BadGzipFile):
+        except (OSError, EOFError, gzip.BadGzipFile, zlib.error):
             continue
         match = re.search(r'^\.S[Hh] "?NAME"?\s*\n(?:\.[^\n]*\n)*([^.\n][^\n]*)', text, re.M)
         if not match or " \\- " not in match.group(1):
@@ -108,7 +109,7 @@ def man_summaries(folder: Path = Path("/usr/share/man/man1")) -> list[tuple[str,
         name, summary = (re.sub(r"\\f[BIRP]|\\", "", part).strip() for part in (names.split(",")[0], summary))
         summary = summary.rstrip(".")
         if re.fullmatch(r"[\w.+-]{1,30}", name) and 10 < len(summary) < 120:
-            found.setdefault(name, summary[0].lower() + summary[1:])
+            found.setdefault(name, summary[0].lower() + summary[1:] if summary[1:2].islower() else summary)
     return list(found.items())
 
 
