@@ -10,6 +10,11 @@ depends on the matrix shape, the row count and the machine, so
 model's own weights (cycling through all layers, so the weights come from memory as in a real pass),
 and `install` routes each product to the fastest. Results agree with `nn.Linear` to float rounding;
 wider blocks and gradients use `nn.Linear` as is.
+
+The row-invariant form (`invariant_plan`), where a row's product has the same bits alone and in any block, has two
+kernels: oneDNN's blocked products in chunks, and the project's own (csrc/linear.cpp, compiled by native.py), which
+also runs bfloat16 weights on CPUs where oneDNN has no bfloat16 kernel. Where both run, the faster on the model's
+own weights is chosen once per machine and kept.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import os
+
 import torch
 from torch import nn
 
-from . import jsonfile, timing
+from . import jsonfile, native, timing
 from .hardware import cpu_name
 
 # x W^T as F.linear, as (W x^T)^T, through oneDNN, through oneDNN with W stored in its blocked layout
 VARIANTS = ("linear", "weight_left", "onednn", "onednn_packed")
+# The row-invariant form's kernels: oneDNN's blocked products in chunks, the project's own (csrc/linear.cpp)
+INVARIANT_VARIANTS = ("invariant", "native")
 MAX_ROWS = 32  # blocks of more rows always use nn.Linear
 # Row counts timed: every one up to 16 (drafts, verification), then a few (SAT trees, prompt lookup);
 # a count in between takes the choice of the next timed one.
@@ -65,14 +74,16 @@ class KernelPlan:
 
     @property
     def invariant(self) -> bool:
-        """Every product through the row-invariant form (`invariant_plan`)."""
-        return bool(self.choices) and all(set(v) == {"invariant"} for v in self.choices.values())
+        """Every product through one kernel of the row-invariant form (`invariant_plan`)."""
+        kinds = {variant for v in self.choices.values() for variant in v}
+        return len(kinds) == 1 and kinds <= set(INVARIANT_VARIANTS)
 
     def summary(self) -> dict[str, list[str]]:
         return {f"{o}x{i}": v for (o, i), v in self.choices.items()}
 
 
 _PLANS: dict[str, KernelPlan] = {}  # one tuning per process, machine, model layout and thread count
+_INVARIANT: dict[str, str] = {}  # the row-invariant kernel chosen, by the same kind of key
 # The attribute a model keeps its packs in while `reusing_packs` runs: per (layer, packing), the layer, the weight
 # tensor packed, its version counter and the packed copy.
 _PACK_MEMO = "_sdsat_pack_memo"
@@ -83,6 +94,8 @@ def _product(variant: str, x: torch.Tensor, weight: torch.Tensor, packed) -> tor
     for the invariant form its chunks by `_pack_chunks`."""
     if variant == "invariant":
         return _chunked_product(x, packed)
+    if variant == "native":
+        return native.module().linear(x.contiguous(), weight if weight.is_contiguous() else weight.contiguous())
     if variant == "weight_left":
         return (weight @ x.t()).t()
     if variant in ("onednn", "onednn_packed"):
@@ -116,16 +129,76 @@ def _chunked_product(x: torch.Tensor, chunks: list[torch.Tensor]) -> torch.Tenso
     return out.to(x.dtype)
 
 
-@functools.cache
 def invariant_available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this torch build and CPU run the invariant form in `dtype` (oneDNN's blocked products are
-    internal to torch, and its bfloat16 path needs AVX-512 or AMX). Fixed for a process: asked once."""
+    """Whether this machine runs the row-invariant form in `dtype`: oneDNN's blocked products (internal to torch;
+    its bfloat16 path needs AVX-512 or AMX), or the project's kernel where it is compiled for this machine."""
+    return onednn_invariant(dtype) or native_linear_available()
+
+
+@functools.cache
+def onednn_invariant(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's blocked products run in `dtype` here (fixed for a process: asked once)."""
     return "onednn_packed" in _available_variants(0, dtype)
 
 
-def invariant_plan(model: nn.Module) -> KernelPlan:
-    """Every product of 1..INVARIANT_ROWS rows through the row-invariant form (whatever it costs)."""
-    return KernelPlan({shape: ["invariant"] * INVARIANT_ROWS for shape in _groups(model)})
+def native_linear_enabled() -> bool:
+    """SDSAT_LINEAR_KERNEL=0 keeps the project's row-invariant kernel out (oneDNN's alone, where it runs)."""
+    return os.environ.get("SDSAT_LINEAR_KERNEL", "1") != "0"
+
+
+def native_linear_available() -> bool:
+    """The project's kernel is switched on and compiled for this machine (loading it takes a moment)."""
+    return native_linear_enabled() and native.built()
+
+
+def invariant_plan(model: nn.Module, variant: str | None = None, cache_file: Path | None = None) -> KernelPlan:
+    """Every product of 1..INVARIANT_ROWS rows through one kernel of the row-invariant form (whatever it costs):
+    `variant`, else the faster of those this machine runs (`invariant_variant`)."""
+    variant = variant or invariant_variant(model, cache_file)
+    return KernelPlan({shape: [variant] * INVARIANT_ROWS for shape in _groups(model)})
+
+
+def invariant_variant(model: nn.Module, cache_file: Path | None = None) -> str:
+    """The row-invariant kernel for `model`'s weights: the only one this machine runs, else the faster of the two
+    on the weights themselves (a pass's 1 and 4 rows), timed once per machine, model layout, thread count and
+    build of the project's kernel, and kept with the kernel plans (`cache_file`)."""
+    groups = _groups(model)
+    dtype = next(iter(groups.values()))[0].weight.dtype if groups else torch.float32
+    runs = [v for v, ok in zip(INVARIANT_VARIANTS, (onednn_invariant(dtype), native_linear_available())) if ok]
+    if len(runs) < 2:
+        return runs[0] if runs else "invariant"
+    key = json.dumps([_PLAN_FORMAT, "invariant", cpu_name(), torch.__version__, torch.get_num_threads(),
+                      str(dtype), native.digest(), sorted([list(shape), len(mods)] for shape, mods in groups.items())])
+    if key in _INVARIANT:
+        return _INVARIANT[key]
+    stored = _read(cache_file).get(key)
+    if stored in INVARIANT_VARIANTS:
+        _INVARIANT[key] = stored
+        return stored
+    if native.build() is None:  # compiled here, yet it does not load: oneDNN's alone
+        return "invariant"
+    weights = [m.weight.detach() for mods in groups.values() for m in mods]
+    packs = [_pack_chunks(w, MAX_ROWS) for w in weights]
+    gen = torch.Generator().manual_seed(0)
+    times = dict.fromkeys(INVARIANT_VARIANTS, 0.0)
+    with torch.inference_mode():
+        for rows in (1, 4):
+            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(dtype) for w in weights}
+            best = dict.fromkeys(INVARIANT_VARIANTS, float("inf"))
+            for _ in range(3):  # interleaved; the first round also warms up
+                for variant in INVARIANT_VARIANTS:
+                    t0 = timing.now()
+                    for w, p in zip(weights, packs):
+                        _product(variant, inputs[w.shape[1]], w, p)
+                    best[variant] = min(best[variant], timing.now() - t0)
+            times = {v: times[v] + best[v] for v in INVARIANT_VARIANTS}
+    _INVARIANT[key] = choice = min(INVARIANT_VARIANTS, key=times.__getitem__)
+    log.info("row-invariant products: %s (%s)", choice,
+             ", ".join(f"{v} {t * 1e3:.1f} ms for 1 + 4 rows" for v, t in times.items()))
+    if cache_file is not None:
+        kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}
+        jsonfile.write_object(cache_file, kept | {key: choice}, indent=1)
+    return choice
 
 
 def _available_variants(total_bytes: int, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
@@ -245,6 +318,8 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
     """Route the products of `model`'s linear layers per `plan`; returns how many layers were routed."""
     model._sdsat_kernel_plan = plan
     memo = model.__dict__.get(_PACK_MEMO)
+    if any("native" in choices for choices in plan.choices.values()) and native.build() is None:
+        raise RuntimeError("the plan routes products to the compiled kernel, which cannot be built here")
     routed = 0
     for shape, modules in _groups(model).items():
         choices = plan.choices.get(shape)
@@ -252,7 +327,8 @@ def install(model: nn.Module, plan: KernelPlan) -> int:
             continue
         for module in modules:
             packed = (  # before any attribute is set: a pack this CPU cannot make leaves the layer as it was
-                _packed(memo, module, "invariant", lambda w: _pack_chunks(w, MAX_ROWS)) if "invariant" in choices
+                None if "native" in choices  # reads the weight as it is
+                else _packed(memo, module, "invariant", lambda w: _pack_chunks(w, MAX_ROWS)) if "invariant" in choices
                 else _packed(memo, module, f"onednn_packed {len(choices)}", lambda w: _pack(w, len(choices)))
                 if "onednn_packed" in choices else None)
             module._sdsat_choices, module._sdsat_packed = choices, packed
@@ -319,11 +395,11 @@ def installed_plan(model: nn.Module) -> KernelPlan | None:
 
 def _routed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    invariant = self._sdsat_choices[0] == "invariant"  # every row count, a prompt's prefill included
+    invariant = self._sdsat_choices[0] in INVARIANT_VARIANTS  # every row count, a prompt's prefill included
     if not (1 <= rows <= len(self._sdsat_choices) or (invariant and rows)) or torch.is_grad_enabled():
         out = nn.functional.linear(x, self.weight, self.bias)
     else:
-        variant = "invariant" if invariant else self._sdsat_choices[rows - 1]
+        variant = self._sdsat_choices[0] if invariant else self._sdsat_choices[rows - 1]
         out = _product(variant, x.reshape(rows, x.shape[-1]), self.weight, self._sdsat_packed)
         if self.bias is not None:
             out = out + self.bias

@@ -1,7 +1,8 @@
 """The project's C++ kernels for the CPU (sdsat/csrc), compiled on the machine that runs them.
 
-Two kernels share one extension: the SAT rows' low-rank update (`sat_kernel.py`) and the compiled form's
-attention (`attention.py`). Each is small arithmetic where PyTorch's per-op setup costs more than the work.
+Three kernels share one extension: the SAT rows' low-rank update (`sat_kernel.py`), the compiled form's
+attention (`attention.py`) and a row-invariant matrix product (`cpu_kernels.py`). The first two are small arithmetic
+where PyTorch's per-op setup costs more than the work; the product reads bfloat16 weights where oneDNN cannot.
 They are compiled with `-march=native` by torch's C++ extension loader (which needs a C++ compiler and ninja)
 into the cache folder, keyed by the sources, torch's version and the CPU, so another machine sharing the folder
 builds its own. Compiling takes about half a minute on two cores, so it never sits on a first start's path:
@@ -25,8 +26,12 @@ from .default_model import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("vectors.h", "sat_update.cpp", "attend.cpp", "bindings.cpp")  # compiled as one unit, in this order
-CFLAGS = ("-O3", "-march=native", "-fopenmp-simd")
+# compiled as one unit, in this order
+SOURCES = ("vectors.h", "sat_update.cpp", "attend.cpp", "linear.cpp", "bindings.cpp")
+# OpenMP: ATen's parallel_for is inline and runs its loop on one thread unless compiled with it; the library links
+# by soname to the libgomp torch has loaded, so the kernels share torch's threads and their count
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 _module = None  # the loaded extension, once built
 _failed: str | None = None  # why it could not be built, once tried
@@ -58,7 +63,7 @@ def build():
 
                 folder.mkdir(parents=True, exist_ok=True)
                 _put_on_path(Path(sys.executable).parent)  # pip's ninja, where the environment is not activated
-                _module = load_inline(name, cpp_sources=sources, extra_cflags=list(CFLAGS),
+                _module = load_inline(name, cpp_sources=sources, extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                                       build_directory=str(folder), verbose=False)
         except Exception as err:  # no compiler, no ninja, a read-only cache: the callers' PyTorch paths remain
             _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
@@ -108,7 +113,7 @@ def start_build() -> None:
 def _digest() -> tuple[str, list[str]]:
     folder = Path(__file__).resolve().parent / "csrc"
     sources = [(folder / name).read_text() for name in SOURCES]
-    key = "\n".join([*sources, " ".join(CFLAGS), torch.__version__, _cpu_key()])
+    key = "\n".join([*sources, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_key()])
     return hashlib.sha256(key.encode()).hexdigest()[:16], sources
 
 

@@ -4,7 +4,7 @@ For each precision the machine offers (on a CPU: float32 and bfloat16; elsewhere
 float32 for a small model loaded in half precision) it
 measures the pass-cost curve and checks whether a row of a block comes out as it does alone
 (costs.py). On a CPU each precision is tried in its row-invariant forms first: products through
-oneDNN in chunks (cpu_kernels.invariant_plan) and attention in runs of rows with one key count
+oneDNN in chunks or the compiled kernel (cpu_kernels.invariant_plan) and attention in runs of rows with one key count
 (bfloat16), in fixed-shape tiles, else one row at a time (attention.py). Where such a form passes the row
 check, SDSAT decodes in it, and so does the vanilla decode it is compared with. The other forms' one-token
 passes (the routed form: the fastest kernel per row count, cpu_kernels.tune; the per-row attention, faster
@@ -149,8 +149,8 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
         raise RuntimeError(f"the {form} form needs the compiled kernels, which cannot be built here")
     dtype = getattr(torch, precision)
     if on_cpu and form in EXACT_FORMS and not cpu_kernels.invariant_available(dtype):
-        raise RuntimeError(f"the {form} form needs oneDNN's blocked {precision} products, which this CPU or torch "
-                           "lacks")
+        raise RuntimeError(f"the {form} form needs row-invariant {precision} products (oneDNN's blocked ones, or the "
+                           "compiled kernel), which this machine lacks")
     cpu_kernels.uninstall(model)
     buffers = _float_buffers(model)  # the rotary frequencies: .to() would round them to `dtype` for good
     model.to(dtype)
@@ -161,7 +161,7 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     attention.register()
     model.set_attn_implementation(ATTENTION_OF[form] if on_cpu and form in ATTENTION_OF else "sdpa")
     if invariant:
-        cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
+        cpu_kernels.install(model, cpu_kernels.invariant_plan(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE))
     elif on_cpu:
         cpu_kernels.install(model, cpu_kernels.tune(model, cache_file=cache_dir() / cpu_kernels.PLAN_FILE))
 
@@ -334,7 +334,7 @@ def exact_forms(precision: str) -> tuple[str, ...]:
     """The row-invariant forms tried for `precision`, in order: the compiled attention where the compiled kernels
     are built for this machine (native.built) and not turned off; the keyed attention in bfloat16 alone (in other
     precisions it would compute as the tiled form does); none where this CPU or torch lacks their products."""
-    if not cpu_kernels.invariant_available(getattr(torch, precision)):  # none without oneDNN's products in it
+    if not cpu_kernels.invariant_available(getattr(torch, precision)):  # none without row-invariant products
         return ()
     compiled = attention.compiled_enabled() and native.built()
     return tuple(f for f in EXACT_FORMS if (f != KEYED or precision == "bfloat16") and (f != COMPILED or compiled))
@@ -466,7 +466,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
     stored = jsonfile.read_object(cache_file) or {}
     precisions = precisions_to_try(model, fixed_dtype)
     compiled = (kernels and next(model.parameters()).device.type == "cpu"
-                and (attention.compiled_enabled() or sat_kernel.enabled()))
+                and (attention.compiled_enabled() or sat_kernel.enabled() or cpu_kernels.native_linear_enabled()))
     if remeasure != "never" and compiled:
         native.build()  # passes are timed as they will run (compiled once per machine, then loaded in a moment)
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),

@@ -114,7 +114,7 @@ def test_a_model_the_kernel_does_not_take_attends_one_row_at_a_time_in_every_pas
 
 
 @pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bfloat16),
-                    reason="oneDNN's bfloat16 products need AVX-512 or AMX, which this CPU lacks")
+                    reason="no row-invariant bfloat16 products here (oneDNN's or the compiled kernel)")
 def test_greedy_sdsat_in_the_compiled_form_is_identical_to_vanilla_on_the_real_model(kernel, default_engine,
                                                                                       monkeypatch):
     """The shipped model and SATs in bfloat16 with the compiled attention: its rows check bit-equal, and greedy

@@ -23,7 +23,7 @@ def _plan_of(model: nn.Module, variant: str, max_rows: int = 8) -> KernelPlan:
 
 
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-ONEDNN_BF16 = pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bfloat16),
+ONEDNN_BF16 = pytest.mark.skipif(not cpu_kernels.onednn_invariant(torch.bfloat16),
                                  reason="oneDNN's bfloat16 products need AVX-512 or AMX, which this CPU lacks")
 
 
@@ -106,7 +106,7 @@ def test_onednn_forms_are_offered_and_the_packed_copy_only_below_the_limit():
     assert cpu_kernels._available_variants(1 << 20) == VARIANTS
     # bfloat16 weights too, where the CPU has the instructions oneDNN's bfloat16 path needs; else only ours
     bf16 = cpu_kernels._available_variants(1 << 20, torch.bfloat16)
-    assert bf16 == (VARIANTS if cpu_kernels.invariant_available(torch.bfloat16) else ("linear", "weight_left"))
+    assert bf16 == (VARIANTS if cpu_kernels.onednn_invariant(torch.bfloat16) else ("linear", "weight_left"))
     assert cpu_kernels._available_variants(cpu_kernels.COPY_LIMIT_BYTES + 1) == ("linear", "weight_left", "onednn")
 
 
@@ -194,17 +194,22 @@ def test_a_plan_with_bad_entries_is_set_aside_and_tuned_again(tmp_path, monkeypa
     cpu_kernels.uninstall(model)
 
 
-@ONEDNN
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=ONEDNN_BF16)])
-def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(dtype):
-    """Inputs wider than one chunk (down_proj's 1536 in SmolLM2) are cut into chunks: every row of a block of
-    2..40 rows equals the row multiplied alone, bit for bit, and the product agrees with nn.Linear."""
+@pytest.mark.parametrize("variant,dtype", [
+    pytest.param("invariant", torch.float32, marks=ONEDNN),
+    pytest.param("invariant", torch.bfloat16, marks=[ONEDNN, ONEDNN_BF16]),
+    ("native", torch.float32), ("native", torch.bfloat16)])
+def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(variant, dtype, request):
+    """Inputs wider than one chunk (down_proj's 1536 in SmolLM2) are cut into chunks by oneDNN's form; the compiled
+    kernel tiles rows by four: every row of a block of 2..40 rows equals the row multiplied alone, bit for bit, and
+    the product agrees with nn.Linear."""
+    if variant == "native":
+        request.getfixturevalue("native_kernels")
     torch.manual_seed(0)
     layer = nn.Linear(1600, 48, bias=False).to(dtype)
     x = torch.randn(40, 1600, dtype=dtype)
     with torch.inference_mode():
         expected = layer(x)
-        assert cpu_kernels.install(layer, cpu_kernels.invariant_plan(layer)) == 1
+        assert cpu_kernels.install(layer, cpu_kernels.invariant_plan(layer, variant)) == 1
         assert cpu_kernels.installed_plan(layer).invariant
         alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
         for rows in (2, 3, 5, 8, 16, 33, 40):
@@ -213,14 +218,58 @@ def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(dtype):
     torch.testing.assert_close(alone.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.skipif(not cpu_kernels.invariant_available(), reason="no row-invariant kernels in this torch")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_compiled_product_is_row_invariant_for_any_shape_weights_and_threads(native_kernels, threads):
+    """Outputs not a multiple of a tile, inputs not a multiple of a vector, bfloat16 weights under float32 rows
+    (widened exactly), blocks past the widening threshold: each row's bits as alone, on 1 or 2 threads."""
+    gen = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out_features, in_features in ((37, 50), (5, 17), (200, 576), (1, 8)):
+            for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                     (torch.bfloat16, torch.bfloat16)):
+                w = torch.randn(out_features, in_features, generator=gen).to(w_dtype)
+                x = torch.randn(20, in_features, generator=gen).to(x_dtype)
+                block = native_kernels.linear(x, w)
+                assert block.dtype == x_dtype and block.shape == (20, out_features)
+                for rows in (1, 3, 4, 9, 20):
+                    assert torch.equal(native_kernels.linear(x[:rows].contiguous(), w), block[:rows])
+                    assert torch.equal(native_kernels.linear(x[rows - 1:rows].contiguous(), w), block[rows - 1:rows])
+                expected = x.double() @ w.double().t()
+                tolerance = 1e-4 if x_dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(block.double(), expected, rtol=tolerance, atol=tolerance)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_faster_invariant_kernel_is_chosen_once_and_kept(native_kernels, tmp_path, monkeypatch):
+    """Where oneDNN's form and the compiled kernel both run, one is timed against the other on the model's own
+    weights once, kept in the plan file and read back; SDSAT_LINEAR_KERNEL=0 leaves oneDNN's alone."""
+    if not cpu_kernels.onednn_invariant():
+        pytest.skip("oneDNN's blocked products are not in this torch build: nothing to choose between")
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False))
+    plan_file = tmp_path / "plans.json"
+    monkeypatch.setattr(cpu_kernels, "_INVARIANT", {})
+    chosen = cpu_kernels.invariant_variant(model, plan_file)
+    assert chosen in cpu_kernels.INVARIANT_VARIANTS
+    assert list(json.loads(plan_file.read_text()).values()) == [chosen]
+    monkeypatch.setattr(cpu_kernels, "_INVARIANT", {})  # a new process: read back, not timed
+    monkeypatch.setattr(cpu_kernels, "_product", lambda *a: pytest.fail("timed again"))
+    assert cpu_kernels.invariant_variant(model, plan_file) == chosen
+    assert all(set(v) == {chosen} for v in cpu_kernels.invariant_plan(model, cache_file=plan_file).summary().values())
+    monkeypatch.setenv("SDSAT_LINEAR_KERNEL", "0")
+    assert cpu_kernels.invariant_variant(model, plan_file) == "invariant"
+
+
+@pytest.mark.skipif(not cpu_kernels.onednn_invariant(), reason="no oneDNN blocked products in this torch")
 def test_a_tuning_packs_each_weight_once_and_a_changed_weight_again():
     """Within `reusing_packs`, routing the same weights again reuses their packed copy (a tuning switches forms
     dozens of times); a weight changed in place, or given a new tensor, is packed anew; packs of tensors the model
     no longer holds are dropped, and nothing is kept after the block."""
     model = nn.Sequential(nn.Linear(24, 40, bias=False))
     layer = model[0]
-    plan = cpu_kernels.invariant_plan(model)
+    plan = cpu_kernels.invariant_plan(model, "invariant")
     x = torch.randn(3, 24)
     with cpu_kernels.reusing_packs(model):
         cpu_kernels.install(model, plan)
@@ -236,7 +285,7 @@ def test_a_tuning_packs_each_weight_once_and_a_changed_weight_again():
             torch.testing.assert_close(layer(x), x @ layer.weight.t())  # the doubled weight's product
         doubled, before = layer.weight.data, layer._sdsat_packed
         # a conversion: a new tensor (a float32 copy where this CPU has no oneDNN bfloat16 products)
-        converted = doubled.to(torch.bfloat16) if cpu_kernels.invariant_available(torch.bfloat16) else doubled.clone()
+        converted = doubled.to(torch.bfloat16) if cpu_kernels.onednn_invariant(torch.bfloat16) else doubled.clone()
         layer.weight.data = converted
         cpu_kernels.install(model, plan)
         assert layer._sdsat_packed is not before and layer._sdsat_packed[0].dtype == converted.dtype

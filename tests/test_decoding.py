@@ -660,7 +660,7 @@ def test_routed_layers_call_the_sat_update_after_their_product_and_keep_their_fo
     sat_model = make_sat_model("adapter")
     model = sat_model.model
     if not cpu_kernels.invariant_available():
-        pytest.skip("oneDNN's blocked products are not in this torch build")
+        pytest.skip("no row-invariant products here (oneDNN's or the compiled kernel)")
     cpu_kernels.install(model, cpu_kernels.invariant_plan(model))
     layers = [module for module, _, pre in sat_model.adapter._hooks if not pre]
     assert layers and all(cpu_kernels.routed(m) for m in layers)

@@ -23,7 +23,7 @@ def _state(sat_model) -> dict:
 
 
 INVARIANT_HERE = pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bfloat16),
-                                    reason="no oneDNN, or no bfloat16 oneDNN path on this CPU")
+                                    reason="no row-invariant bfloat16 products here (oneDNN's or the compiled kernel)")
 
 
 @INVARIANT_HERE

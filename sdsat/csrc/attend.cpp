@@ -1,7 +1,7 @@
 // Row-invariant attention in one call per layer (sdsat/attention.py, the compiled form): each query row attends over
 // exactly the keys it sees, with every sum in one fixed order, so a row's bits depend on its query and its keys
 // alone, never on how many rows share the call or how threads split them. float32 arithmetic on float32 or
-// bfloat16 inputs, in the vectors of vectors.h.
+// bfloat16 inputs, in the vector unit's own width (vectors.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -10,78 +10,73 @@
 
 namespace {
 
-static inline v16f vexp(v16f x) {  // e^x for x <= 0, about 1e-7 relative; below -87 it gives e^-87
-  const v16f zero = {};
-  x = x < zero - 87.f ? zero - 87.f : x;
-  const v16f t = x * 1.44269504088896341f;
-  v16i n = __builtin_convertvector(t, v16i);  // toward zero
-  n += (v16i)(__builtin_convertvector(n, v16f) > t);  // -1 where that rounded up: floor
-  const v16f f = t - __builtin_convertvector(n, v16f);
-  v16f p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+static inline lf vexp(lf x) {  // e^x for x <= 0, about 1e-7 relative; below -87 it gives e^-87
+  const lf low = lf{} - 87.f;
+  x = x < low ? low : x;
+  const lf t = x * 1.44269504088896341f;
+  li n = __builtin_convertvector(t, li);  // toward zero
+  n += (li)(__builtin_convertvector(n, lf) > t);  // -1 where that rounded up: floor
+  const lf f = t - __builtin_convertvector(n, lf);
+  lf p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
-  return p * (v16f)((n + 127) << 23);
+  return p * (lf)((n + 127) << 23);
 }
 
-// One query row over its n keys for the G query heads of one key head (G <= 8, D a multiple of 16, D <= 256).
+// One query row over its n keys for the G query heads of one key head (D a multiple of the vector width).
 // q (G, D) float32; keys and values rows idx[s] (or s); scores room for G * padded n floats. Every sum runs in
 // one fixed order whatever else the call holds, so a row's bits depend on its query and its keys alone.
-// Not inlined: a pass's rows on the calling thread and a long prompt's on worker threads run one compiled body,
-// so one contraction of products into fused multiply-adds.
-template <typename T, int V>
-__attribute__((noinline)) static void attend_row(const float* q, int64_t G, int64_t D, const T* k, const T* v,
-                                                 int64_t kstride, int64_t vstride, const int64_t* idx, int64_t n,
-                                                 float scaling, float* scores, T* out) {
-  const int64_t width = (n + L - 1) / L * L;
-  v16f qv[8 * 16];
+// Not inlined: a pass's rows and a long prompt's, on any thread, run one compiled body. The scores key by key (a key
+// read once for the G heads), the outputs head by head (a head's D / LW sums stay in registers over the keys).
+template <typename T, int D>
+__attribute__((noinline)) static void attend_row(const float* q, int64_t G, const T* k, const T* v, int64_t kstride,
+                                                 int64_t vstride, const int64_t* idx, int64_t n, float scaling,
+                                                 float* scores, T* out) {
+  constexpr int V = D / LW;
+  const int64_t width = (n + LW - 1) / LW * LW;
+  std::vector<lf> qs(G * V);  // the queries, scaled
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < V; ++j) qv[g * V + j] = load(q + g * D + j * L) * scaling;
-  for (int64_t s = 0; s < n; ++s) {
+    for (int j = 0; j < V; ++j) qs[g * V + j] = loadv(q + g * D + j * LW) * scaling;
+  for (int64_t s = 0; s < n; ++s) {  // a key read (and widened) once for the G heads
     const T* ks = k + (idx ? idx[s] : s) * kstride;
-    v16f kv[16];
-    for (int64_t j = 0; j < V; ++j) kv[j] = load(ks + j * L);
+    lf kv[V];
+    for (int j = 0; j < V; ++j) kv[j] = loadv(ks + j * LW);
     for (int64_t g = 0; g < G; ++g) {
-      v16f acc = qv[g * V] * kv[0];
-      for (int64_t j = 1; j < V; ++j) acc += qv[g * V + j] * kv[j];
-      scores[g * width + s] = hsum(acc);
+      const lf* qg = qs.data() + g * V;
+      lf acc = qg[0] * kv[0];
+      for (int j = 1; j < V; ++j) acc = fmadd(qg[j], kv[j], acc);
+      scores[g * width + s] = lane_sum(acc);
     }
   }
-  v16f o[8 * 16];
-  float inv[8];
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * width;
     float m = sg[0];
     for (int64_t s = 1; s < n; ++s) m = sg[s] > m ? sg[s] : m;
     for (int64_t s = n; s < width; ++s) sg[s] = m;
-    v16f sum = {};
-    for (int64_t s = 0; s < width; s += L) {
-      v16f e = vexp(load(sg + s) - m);
-      store(sg + s, e);
-      if (s + L <= n) sum += e;
+    lf sum = {};
+    for (int64_t s = 0; s < width; s += LW) {
+      const lf e = vexp(loadv(sg + s) - m);
+      storev(sg + s, e);
+      if (s + LW <= n) sum += e;
     }
-    float total = hsum(sum);
-    for (int64_t s = n / L * L; s < n; ++s) total += sg[s];
-    inv[g] = 1.f / total;
-    for (int64_t j = 0; j < V; ++j) o[g * V + j] = v16f{};
+    float total = lane_sum(sum);
+    for (int64_t s = n / LW * LW; s < n; ++s) total += sg[s];
+    const float inv = 1.f / total;
+    lf o[V] = {};
+    for (int64_t s = 0; s < n; ++s) {
+      const T* vs = v + (idx ? idx[s] : s) * vstride;
+      const lf p = lf{} + sg[s];
+      for (int j = 0; j < V; ++j) o[j] = fmadd(p, loadv(vs + j * LW), o[j]);
+    }
+    for (int j = 0; j < V; ++j) {
+      float tmp[LW];
+      storev(tmp, o[j] * inv);
+      for (int l = 0; l < LW; ++l) out[g * D + j * LW + l] = static_cast<T>(tmp[l]);
+    }
   }
-  for (int64_t s = 0; s < n; ++s) {
-    const T* vs = v + (idx ? idx[s] : s) * vstride;
-    v16f vv[16];
-    for (int64_t j = 0; j < V; ++j) vv[j] = load(vs + j * L);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * width + s];
-      for (int64_t j = 0; j < V; ++j) o[g * V + j] += p * vv[j];
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < V; ++j) {
-      float tmp[L];
-      store(tmp, o[g * V + j] * inv[g]);
-      for (int l = 0; l < L; ++l) out[g * D + j * L + l] = static_cast<T>(tmp[l]);
-    }
 }
 
 template <typename T>
@@ -101,28 +96,28 @@ static void attend_all(const torch::Tensor& query, const torch::Tensor& key, con
   for (int64_t r = 0; r < R; ++r) widest = cp[r] > widest ? cp[r] : widest;
   const int64_t qs1 = query.stride(1), qs2 = query.stride(2), ks1 = key.stride(1), ks2 = key.stride(2),
                 vs1 = value.stride(1), vs2 = value.stride(2);
-  auto rows = [&](int64_t begin, int64_t end) {
-    std::vector<float> q(G * D), scores(G * ((widest + L - 1) / L * L));
-    for (int64_t r = begin; r < end; ++r) {
+  // one task per key head and row, a head's rows in turn (its keys still in cache for the next row): each task writes
+  // its own outputs, so threads splitting them change no bits
+  auto tasks = [&](int64_t begin, int64_t end) {
+    std::vector<float> q(G * D), scores(G * ((widest + LW - 1) / LW * LW));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / R, r = task % R;
       const int64_t* idx = gathered ? ip + r * W : nullptr;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t g = 0; g < G; ++g) {
-          const T* qr = qp + (h * G + g) * qs1 + r * qs2;
-          for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(qr[d]);
-        }
-        auto row = D == 64 ? attend_row<T, 4> : D == 128 ? attend_row<T, 8> : D == 32 ? attend_row<T, 2>
-                                                                                      : attend_row<T, 16>;
-        row(q.data(), G, D, kp + h * ks1, vp + h * vs1, ks2, vs2, idx, cp[r], static_cast<float>(scaling),
-            scores.data(), op + (r * H + h * G) * D);
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qr = qp + (h * G + g) * qs1 + r * qs2;
+        for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<float>(qr[d]);
       }
+      auto row = D == 64 ? attend_row<T, 64> : D == 128 ? attend_row<T, 128> : D == 32 ? attend_row<T, 32>
+                                                                                       : attend_row<T, 256>;
+      row(q.data(), G, kp + h * ks1, vp + h * vs1, ks2, vs2, idx, cp[r], static_cast<float>(scaling),
+          scores.data(), op + (r * H + h * G) * D);
     }
   };
-  // a decoding pass's few rows on the calling thread (handing them to another costs more than they do); a long
-  // prompt's rows split between threads, which changes no row's bits
-  if (R * widest * H * D < (int64_t{1} << 20))
-    rows(0, R);
+  // tiny calls on the calling thread (waking another costs more than they do)
+  if (R * widest * H * D < (int64_t{1} << 15))
+    tasks(0, R * Hkv);
   else
-    at::parallel_for(0, R, 1, rows);
+    at::parallel_for(0, R * Hkv, 1, tasks);
 }
 
 }  // namespace

@@ -4,5 +4,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sat_update", &sat_update, "adds the SAT rows' low-rank update into a projection's output (sat_update.cpp)");
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>(),
         "every row of a pass over exactly its keys (attend.cpp)");
+  m.def("linear", &linear, py::call_guard<py::gil_scoped_release>(),
+        "x W^T with each output's sum in one fixed order for any number of rows (linear.cpp)");
   m.def("applies", &applies, "whether attend takes a model with these heads and head size");
 }

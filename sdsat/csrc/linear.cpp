@@ -1,0 +1,147 @@
+// A row-invariant matrix product for the few rows of a decoding pass (sdsat/cpu_kernels.py, the "native" invariant
+// backend): out = x W^T with every output's sum in one fixed order whatever the number of rows, and float32
+// arithmetic on float32 or bfloat16 weights. Where oneDNN has no bfloat16 kernel (CPUs without AVX-512's bfloat16
+// instructions), this reads bfloat16 weights, half float32's bytes, and multiplies in float32 with the vector unit
+// the CPU has. Threads split the outputs, which changes no output's sum.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// outputs by rows of a tile: its sums, weight vectors and an input vector in registers (AVX2 has 16, AVX-512 32);
+// four rows, a draft pass's and a verify pass's usual count, in one tile
+constexpr int OT = LW == 16 ? 4 : 3;
+constexpr int MT = 4;
+
+static inline lf load_tail(const float* p, int64_t n) {  // n < LW floats, zeros after
+  float t[LW] = {};
+  std::memcpy(t, p, n * sizeof(float));
+  return loadv(t);
+}
+static inline lf load_tail(const at::BFloat16* p, int64_t n) {
+  at::BFloat16 t[LW] = {};
+  std::memcpy(t, p, n * sizeof(at::BFloat16));
+  return loadv(t);
+}
+
+// Outputs o0..o0+A of rows m0..m0+B (A <= OT, B <= MT): w's rows are `S` apart, x's `P` (zeros past I). Each sum
+// runs over the input in vectors (the last one zero-padded), then over its lanes: the same operations for any A, B
+// and place in the tile. `ahead`, where not null, is read (prefetched) beside w's rows: the rows PF further on.
+template <int A, int B, typename W, typename T>
+__attribute__((always_inline)) inline void tile(const float* xf, int64_t P, int64_t I, const W* w, int64_t S,
+                                                const W* ahead, int64_t m0, T* out, int64_t O) {
+  lf acc[A][B] = {};
+  const int64_t whole = I / LW * LW;
+  for (int64_t i = 0; i < whole; i += LW) {
+    lf wv[A];
+    for (int a = 0; a < A; ++a) wv[a] = loadv(w + a * S + i);
+    if (ahead)
+      for (int a = 0; a < A; ++a) __builtin_prefetch(ahead + a * S + i);
+    for (int b = 0; b < B; ++b) {
+      const lf xv = loadv(xf + (m0 + b) * P + i);
+      for (int a = 0; a < A; ++a) acc[a][b] = fmadd(wv[a], xv, acc[a][b]);
+    }
+  }
+  if (whole < I) {
+    lf wv[A];
+    for (int a = 0; a < A; ++a) wv[a] = load_tail(w + a * S + whole, I - whole);
+    for (int b = 0; b < B; ++b) {
+      const lf xv = loadv(xf + (m0 + b) * P + whole);
+      for (int a = 0; a < A; ++a) acc[a][b] = fmadd(wv[a], xv, acc[a][b]);
+    }
+  }
+  for (int a = 0; a < A; ++a)
+    for (int b = 0; b < B; ++b) out[(m0 + b) * O + a] = static_cast<T>(lane_sum(acc[a][b]));
+}
+
+// All M rows of outputs o0..o0+A (out points at output o0 of row 0, w at its weight row).
+template <int A, typename W, typename T>
+inline void column(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t S, const W* ahead, T* out,
+                   int64_t O) {
+  int64_t m0 = 0;
+  for (; m0 + MT <= M; m0 += MT) tile<A, MT>(xf, P, I, w, S, ahead, m0, out, O);
+  switch (M - m0) {
+    case 1: tile<A, 1>(xf, P, I, w, S, ahead, m0, out, O); break;
+    case 2: tile<A, 2>(xf, P, I, w, S, ahead, m0, out, O); break;
+    case 3: tile<A, 3>(xf, P, I, w, S, ahead, m0, out, O); break;
+    default: break;
+  }
+}
+
+template <typename W, typename T>
+inline void column_of(int64_t n, const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t S,
+                      const W* ahead, T* out, int64_t O) {
+  switch (n) {
+    case 1: return column<1>(xf, P, M, I, w, S, ahead, out, O);
+    case 2: return column<2>(xf, P, M, I, w, S, ahead, out, O);
+    case 3: return column<3>(xf, P, M, I, w, S, ahead, out, O);
+    default: return column<OT>(xf, P, M, I, w, S, ahead, out, O);
+  }
+}
+
+constexpr int64_t PF = 4 * OT;  // weight rows read ahead, four tiles on: the memory's latency outlasts a tile
+
+template <typename W, typename T>
+void product(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t O, T* out) {
+  const int64_t tiles = (O + OT - 1) / OT;
+  // with more than two tiles of rows, bfloat16 weights are widened to float32 (exactly) once per tile of outputs
+  // into a buffer, rather than once per tile of rows (for two, converting twice costs less than the buffer)
+  const bool widen = M > 2 * MT && !std::is_same<W, float>::value;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(widen ? OT * P : 0, 0.f);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * OT, n = O - o0 < OT ? O - o0 : OT;
+      const W* ahead = o0 + PF + OT <= O ? w + (o0 + PF) * I : nullptr;
+      if (widen) {
+        for (int64_t a = 0; a < n; ++a) {
+          const W* row = w + (o0 + a) * I;
+          float* into = widened.data() + a * P;
+          int64_t i = 0;
+          for (; i + LW <= I; i += LW) {
+            storev(into + i, loadv(row + i));
+            if (ahead) __builtin_prefetch(ahead + a * I + i);
+          }
+          for (; i < I; ++i) into[i] = static_cast<float>(row[i]);
+        }
+        column_of(n, xf, P, M, I, widened.data(), P, static_cast<const float*>(nullptr), out + o0, O);
+      } else {
+        column_of(n, xf, P, M, I, w + o0 * I, I, ahead, out + o0, O);
+      }
+    }
+  });
+}
+
+template <typename T>
+void product_as(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out) {
+  const int64_t M = x.size(0), I = x.size(1), O = w.size(0), P = (I + LW - 1) / LW * LW;
+  std::vector<float> xf(M * P, 0.f);  // float32 rows, zero-padded to whole vectors
+  const T* xp = x.data_ptr<T>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) xf[m * P + i] = static_cast<float>(xp[m * I + i]);
+  if (w.scalar_type() == at::kBFloat16)
+    product(xf.data(), P, M, I, w.data_ptr<at::BFloat16>(), O, out.data_ptr<T>());
+  else
+    product(xf.data(), P, M, I, w.data_ptr<float>(), O, out.data_ptr<T>());
+}
+
+}  // namespace
+
+// x (M, I) times w (O, I) transposed: (M, O) in x's dtype; x and w contiguous, each float32 or bfloat16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.is_cpu() && w.is_cpu() && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "linear: x (M, I) and w (O, I) on the CPU");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear: contiguous x and w");
+  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && (wt == at::kFloat || wt == at::kBFloat16),
+              "linear: float32 or bfloat16");
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) == 0 || w.size(0) == 0) return out;
+  if (xt == at::kBFloat16)
+    product_as<at::BFloat16>(x, w, out);
+  else
+    product_as<float>(x, w, out);
+  return out;
+}
