@@ -24,7 +24,6 @@ import argparse
 import ast
 import gzip
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from .. import ASSETS
 from ..models import DEFAULT_MODEL, LoadConfig, load_model
 from ..prompts import encode_prompt
 from .data import HumanEvalFilter, chat_instructions
-from .instructions import varied_instructions
+from .instructions import take_turns, varied_instructions
 from .precision import resolve_batched_dtype
 
 log = logging.getLogger(__name__)
@@ -199,9 +198,8 @@ def build_prompts(recipe: CorpusRecipe, keep: HumanEvalFilter, held_out: set[str
         chat = sorted(set(chat))
         rng.shuffle(chat)
         varied = [c for c in varied_instructions(rng) if not keep(c)]
-        turns = itertools.chain.from_iterable(itertools.zip_longest(varied, chat))
         examples = {row[0] for row in EXAMPLES}
-        chat = [c for c in dict.fromkeys(turns) if c is not None and c not in examples]
+        chat = [c for c in take_turns(varied, chat) if c not in examples]
         taken = examples | set(chat)
         chat += [text for text in dict.fromkeys(row[0] for row in CHAT_EXAMPLES) if text not in taken]
     code = [row[0] for row in EXAMPLES if not row[1]] + code

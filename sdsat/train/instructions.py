@@ -7,7 +7,8 @@ learns those answers, not chat. These instructions spread over what people ask a
   * code: small functions, classes, queries and scripts in several languages;
   * the shell: every command with a manual page here (its one-line summary from the page's NAME section);
   * software: what each installed Debian package is for (its one-line description).
-Each source is drawn from in turn, so no one of them dominates a stretch of the corpus.
+The sources take turns, so every early stretch of the corpus holds each of them; the largest outlasts the
+others and has the list's tail to itself.
 """
 
 from __future__ import annotations
@@ -134,5 +135,10 @@ def varied_instructions(rng: random.Random, limit: int = 20_000) -> list[str]:
     ]
     for source in sources:
         rng.shuffle(source)
-    turns = itertools.chain.from_iterable(itertools.zip_longest(*sources))
-    return list(dict.fromkeys(x for x in turns if x is not None))[:limit]
+    return take_turns(*sources)[:limit]
+
+
+def take_turns(*lists: list[str]) -> list[str]:
+    """The lists' items in turns (first of each, then second of each, ...), each item once, in first place."""
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*lists))
+    return list(dict.fromkeys(x for x in turns if x is not None))
