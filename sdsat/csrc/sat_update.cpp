@@ -4,29 +4,28 @@
 
 namespace {
 
-// Rows n0..n0+G of the update, G <= 4 rows side by side: each of a's and b's vectors is loaded once for the G rows,
-// and the G rows' sums are independent chains of multiply-adds (one row's chain alone waits on each step). With
-// AVX-512's 32 registers the sums stay in registers (a vector stored and loaded back on every step stalls on some
-// CPUs); narrower vector sets spill some. R = V * L.
+// Rows n0..n0+G of the update, G <= 4 rows side by side, in vectors of the CPU's own width (lf): each of a's and b's
+// vectors is loaded once for the G rows, and the G rows' sums are independent chains of multiply-adds (one row's
+// chain alone waits on each step). R = V * LW.
 template <int G, int V, typename T, typename W>
 void rows_of(T* out, int64_t out_stride, const float* xf, const W* a, const W* b, float scale, int64_t I,
              int64_t O) {
-  v16f low[G][V] = {};
+  lf low[G][V] = {};
   for (int64_t i = 0; i < I; ++i)
     for (int j = 0; j < V; ++j) {
-      const v16f aij = load(a + (i * V + j) * L);
-      for (int n = 0; n < G; ++n) low[n][j] += xf[n * I + i] * aij;
+      const lf aij = loadv(a + (i * V + j) * LW);
+      for (int n = 0; n < G; ++n) low[n][j] = fmadd(lf{} + xf[n * I + i], aij, low[n][j]);
     }
-  float lows[G][V * L];
+  float lows[G][V * LW];
   for (int n = 0; n < G; ++n)
-    for (int j = 0; j < V; ++j) store(lows[n] + j * L, low[n][j] * scale);
-  for (int64_t o = 0; o < O; o += L) {
-    v16f acc[G] = {};
-    for (int64_t r = 0; r < V * L; ++r) {
-      const v16f br = load(b + r * O + o);
-      for (int n = 0; n < G; ++n) acc[n] += lows[n][r] * br;
+    for (int j = 0; j < V; ++j) storev(lows[n] + j * LW, low[n][j] * scale);
+  for (int64_t o = 0; o < O; o += LW) {
+    lf acc[G] = {};
+    for (int64_t r = 0; r < V * LW; ++r) {
+      const lf br = loadv(b + r * O + o);
+      for (int n = 0; n < G; ++n) acc[n] = fmadd(lf{} + lows[n][r], br, acc[n]);
     }
-    for (int n = 0; n < G; ++n) store(out + n * out_stride + o, load(out + n * out_stride + o) + acc[n]);
+    for (int n = 0; n < G; ++n) storev(out + n * out_stride + o, loadv(out + n * out_stride + o) + acc[n]);
   }
 }
 
@@ -73,11 +72,13 @@ void update(T* out, int64_t out_stride, const T* x, int64_t x_stride, const W* a
   std::vector<float> xf(rows * I);
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t i = 0; i < I; ++i) xf[n * I + i] = static_cast<float>(x[n * x_stride + i]);
-  switch (O % L == 0 && R % L == 0 ? R / L : 0) {
+  switch (O % LW == 0 && R % LW == 0 ? R / LW : 0) {
     case 1: return rows_by_vectors<1>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
     case 2: return rows_by_vectors<2>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
     case 3: return rows_by_vectors<3>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
     case 4: return rows_by_vectors<4>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
+    case 6: return rows_by_vectors<6>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
+    case 8: return rows_by_vectors<8>(out, out_stride, xf.data(), a, b, scale, rows, I, O);
     default: return rows_by_scalars(out, out_stride, xf.data(), a, b, scale, rows, I, R, O);  // rank 0 too
   }
 }
