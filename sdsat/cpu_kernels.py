@@ -23,12 +23,11 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import os
 
 import torch
 from torch import nn
@@ -316,10 +315,10 @@ def _set_aside(cache_file: Path, why: str) -> None:
 
 def install(model: nn.Module, plan: KernelPlan) -> int:
     """Route the products of `model`'s linear layers per `plan`; returns how many layers were routed."""
-    model._sdsat_kernel_plan = plan
-    memo = model.__dict__.get(_PACK_MEMO)
     if any("native" in choices for choices in plan.choices.values()) and native.build() is None:
         raise RuntimeError("the plan routes products to the compiled kernel, which cannot be built here")
+    model._sdsat_kernel_plan = plan
+    memo = model.__dict__.get(_PACK_MEMO)
     routed = 0
     for shape, modules in _groups(model).items():
         choices = plan.choices.get(shape)

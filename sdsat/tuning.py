@@ -343,7 +343,7 @@ def exact_forms(precision: str) -> tuple[str, ...]:
 def _invariant_forms(sat_model, precision: str, kernels: bool) -> bool:
     model = sat_model.model
     on_cpu = kernels and next(model.parameters()).device.type == "cpu"
-    size = sum(p.numel() * p.element_size() for p in model.parameters())  # the form keeps a blocked copy
+    size = sum(p.numel() * p.element_size() for p in model.parameters())  # oneDNN's form keeps a blocked copy
     return on_cpu and size <= cpu_kernels.COPY_LIMIT_BYTES and cpu_kernels.invariant_available(
         getattr(torch, precision))
 
@@ -471,7 +471,8 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
         native.build()  # passes are timed as they will run (compiled once per machine, then loaded in a moment)
     keys = {p: json.dumps([_FORMAT, cpu_name(), torch.__version__, transformers.__version__, torch.get_num_threads(),
                            model_name, str(next(model.parameters()).device.type), p, sat_model.max_k, kernels,
-                           exact_forms(p), native.digest() if compiled else None])  # timed with these kernels
+                           exact_forms(p), native.digest() if compiled else None,  # timed with these kernels
+                           cpu_kernels.native_linear_enabled()])
             for p in precisions}
     kept = {p: _Measured.from_dict(stored.get(keys[p])) for p in precisions}
     fresh = [p for p in precisions if kept[p] is None or remeasure == "all"

@@ -12,6 +12,9 @@ os.environ.setdefault("SDSAT_SAT_KERNEL", "0")
 # The compiled attention form (sdsat/csrc/attend.cpp) is offered where the kernels are built; a tuning that builds
 # them takes half a minute per worker, so tests/test_compiled_attention.py alone turns it on.
 os.environ.setdefault("SDSAT_ATTENTION_KERNEL", "0")
+# The compiled row-invariant product (sdsat/csrc/linear.cpp) likewise: a tuning would build the kernels, and which
+# product a test ran would hang on whether another worker had built them; tests that need it turn it on.
+os.environ.setdefault("SDSAT_LINEAR_KERNEL", "0")
 
 # pytest-xdist's workers share the cores: each worker, and every process it starts, gets its share of them.
 # Two pools of OpenMP workers that spin-wait on the same cores slow each other several-fold (a test that
@@ -83,11 +86,12 @@ def tree_seen(parents: list[int], cached: int) -> torch.Tensor:
 
 @pytest.fixture
 def native_kernels(monkeypatch):
-    """The compiled kernels (sdsat/native.py) with both switched on; skipped where they cannot be built."""
+    """The compiled kernels (sdsat/native.py) with all three switched on; skipped where they cannot be built."""
     from sdsat import native
 
     monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
     monkeypatch.setenv("SDSAT_ATTENTION_KERNEL", "1")
+    monkeypatch.setenv("SDSAT_LINEAR_KERNEL", "1")
     module = native.build()
     if module is None:
         pytest.skip(f"the compiled kernels cannot be built on this machine ({native._failed})")

@@ -64,8 +64,8 @@ def test_each_row_is_the_same_token_alone_and_the_result_is_attention(kernel, pr
 
 
 def test_a_long_prompt_split_between_threads_gives_each_row_as_alone(kernel):
-    """A prompt's pass big enough to be split between threads: every row as the same token alone (on the
-    calling thread), so threads change no bits."""
+    """A prompt's pass big enough to be split between threads: every row as the same token alone on one thread,
+    so threads change no bits."""
     torch.manual_seed(2)
     rows, cached, threads = 64, 200, torch.get_num_threads()
     query = torch.randn(1, 9, rows, 64).to(torch.bfloat16)
@@ -73,6 +73,7 @@ def test_a_long_prompt_split_between_threads_gives_each_row_as_alone(kernel):
     torch.set_num_threads(2)
     try:
         out = _attend(query, key, value, None)
+        torch.set_num_threads(1)
         for t in range(0, rows, 7):
             n = cached + t + 1
             assert torch.equal(out[:, t], _attend(query[:, :, t:t + 1], key[:, :, :n], value[:, :, :n], None)[:, 0])
@@ -113,12 +114,12 @@ def test_a_model_the_kernel_does_not_take_attends_one_row_at_a_time_in_every_pas
                        attention.per_row_attention(None, query, key, value, causal[None, None], 0.125)[0])
 
 
-@pytest.mark.skipif(not cpu_kernels.invariant_available(torch.bfloat16),
-                    reason="no row-invariant bfloat16 products here (oneDNN's or the compiled kernel)")
 def test_greedy_sdsat_in_the_compiled_form_is_identical_to_vanilla_on_the_real_model(kernel, default_engine,
                                                                                       monkeypatch):
     """The shipped model and SATs in bfloat16 with the compiled attention: its rows check bit-equal, and greedy
     SDSAT (the chain, and lookup with a draft tree) gives vanilla's tokens in this form."""
+    if not cpu_kernels.invariant_available(torch.bfloat16):
+        pytest.skip("no row-invariant bfloat16 products here (oneDNN's or the compiled kernel)")
     sat_model = default_engine.sat_model
     prompt = "def running_max(values):\n    \"\"\"Return the running maximum of a list.\"\"\"\n"
     with tuning.trying(sat_model, "bfloat16", default_engine.load_config.cpu_kernels, tuning.COMPILED):

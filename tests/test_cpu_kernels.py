@@ -218,27 +218,31 @@ def test_invariant_form_gives_a_row_the_same_bits_alone_and_in_any_block(variant
     torch.testing.assert_close(alone.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_compiled_product_is_row_invariant_for_any_shape_weights_and_threads(native_kernels, threads):
-    """Outputs not a multiple of a tile, inputs not a multiple of a vector, bfloat16 weights under float32 rows
-    (widened exactly), blocks past the widening threshold: each row's bits as alone, on 1 or 2 threads."""
+def test_the_compiled_product_is_row_invariant_for_any_shape_weights_and_threads(native_kernels):
+    """Outputs not a multiple of a tile, inputs not a multiple of a vector, bfloat16 weights under float32 rows and
+    the reverse, blocks past the widening threshold: each row's bits as alone, and the same on 1 and 2 threads."""
     gen = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
         for out_features, in_features in ((37, 50), (5, 17), (200, 576), (1, 8)):
             for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                     (torch.bfloat16, torch.bfloat16)):
+                                     (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
                 w = torch.randn(out_features, in_features, generator=gen).to(w_dtype)
                 x = torch.randn(20, in_features, generator=gen).to(x_dtype)
-                block = native_kernels.linear(x, w)
-                assert block.dtype == x_dtype and block.shape == (20, out_features)
-                for rows in (1, 3, 4, 9, 20):
-                    assert torch.equal(native_kernels.linear(x[:rows].contiguous(), w), block[:rows])
-                    assert torch.equal(native_kernels.linear(x[rows - 1:rows].contiguous(), w), block[rows - 1:rows])
+                blocks = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    block = native_kernels.linear(x, w)
+                    assert block.dtype == x_dtype and block.shape == (20, out_features)
+                    for rows in (1, 3, 4, 9, 20):
+                        assert torch.equal(native_kernels.linear(x[:rows].contiguous(), w), block[:rows])
+                        assert torch.equal(native_kernels.linear(x[rows - 1:rows].contiguous(), w),
+                                           block[rows - 1:rows])
+                    blocks.append(block)
+                assert torch.equal(blocks[0], blocks[1])
                 expected = x.double() @ w.double().t()
                 tolerance = 1e-4 if x_dtype == torch.float32 else 2e-2
-                torch.testing.assert_close(block.double(), expected, rtol=tolerance, atol=tolerance)
+                torch.testing.assert_close(blocks[0].double(), expected, rtol=tolerance, atol=tolerance)
     finally:
         torch.set_num_threads(before)
 

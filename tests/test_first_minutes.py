@@ -109,8 +109,7 @@ def test_page_is_up_before_the_tuning_and_fills_in_when_it_ends(empty_cache, tmp
                 page = browser.new_page()
                 page.goto(url)
                 note = page.locator("#auto-note")
-                # with an empty cache the kernels compile first (a minute or more beside other tests)
-                expect(note).to_contain_text("measuring this machine: step", timeout=240_000)
+                expect(note).to_contain_text("measuring this machine: step", timeout=60_000)
                 assert not (empty_cache / tuning.TUNING_FILE).exists()  # nothing measured is kept yet
 
                 fallback = [FALLBACK[n] for n in ("k", "lookup_tokens", "tree_candidates")]

@@ -37,7 +37,7 @@ __attribute__((noinline)) static void attend_row(const float* q, int64_t G, cons
                                                  float* scores, T* out) {
   constexpr int V = D / LW;
   const int64_t width = (n + LW - 1) / LW * LW;
-  std::vector<lf> qs(G * V);  // the queries, scaled
+  lf qs[8 * V];  // the queries, scaled (G <= 8: `applies`)
   for (int64_t g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) qs[g * V + j] = loadv(q + g * D + j * LW) * scaling;
   for (int64_t s = 0; s < n; ++s) {  // a key read (and widened) once for the G heads
@@ -45,7 +45,7 @@ __attribute__((noinline)) static void attend_row(const float* q, int64_t G, cons
     lf kv[V];
     for (int j = 0; j < V; ++j) kv[j] = loadv(ks + j * LW);
     for (int64_t g = 0; g < G; ++g) {
-      const lf* qg = qs.data() + g * V;
+      const lf* qg = qs + g * V;
       lf acc = qg[0] * kv[0];
       for (int j = 1; j < V; ++j) acc = fmadd(qg[j], kv[j], acc);
       scores[g * width + s] = lane_sum(acc);
