@@ -182,22 +182,36 @@ def invariant_variant(model: nn.Module, cache_file: Path | None = None) -> str:
     times = dict.fromkeys(INVARIANT_VARIANTS, 0.0)
     with torch.inference_mode():
         for rows in (1, 4):
-            inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(dtype) for w in weights}
-            best = dict.fromkeys(INVARIANT_VARIANTS, float("inf"))
-            for _ in range(3):  # interleaved; the first round also warms up
-                for variant in INVARIANT_VARIANTS:
-                    t0 = timing.now()
-                    for w, p in zip(weights, packs):
-                        _product(variant, inputs[w.shape[1]], w, p)
-                    best[variant] = min(best[variant], timing.now() - t0)
+            by_width = {w.shape[1]: torch.randn(rows, w.shape[1], generator=gen).to(dtype) for w in weights}
+            best = _fastest(INVARIANT_VARIANTS, [by_width[w.shape[1]] for w in weights], weights, packs, rounds=3)
             times = {v: times[v] + best[v] for v in INVARIANT_VARIANTS}
     _INVARIANT[key] = choice = min(INVARIANT_VARIANTS, key=times.__getitem__)
     log.info("row-invariant products: %s (%s)", choice,
              ", ".join(f"{v} {t * 1e3:.1f} ms for 1 + 4 rows" for v, t in times.items()))
+    _store(cache_file, key, choice)
+    return choice
+
+
+def _fastest(variants: tuple[str, ...], inputs: list[torch.Tensor], weights: list[torch.Tensor], packs: list,
+             rounds: int) -> dict[str, float]:
+    """Each variant's fastest of `rounds` timings of the products inputs[i] × weights[i]ᵀ, the variants interleaved
+    in every round (the first round also warms up)."""
+    times = dict.fromkeys(variants, float("inf"))
+    for _ in range(rounds):
+        for variant in variants:
+            t0 = timing.now()
+            for x, w, p in zip(inputs, weights, packs):
+                _product(variant, x, w, p)
+            times[variant] = min(times[variant], timing.now() - t0)
+    return times
+
+
+def _store(cache_file: Path | None, key: str, value) -> None:
+    """Keep `value` under `key` in the plan file beside the other entries of this format (stale formats dropped);
+    without a file (a read-only home) it is measured again next time."""
     if cache_file is not None:
         kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}
-        jsonfile.write_object(cache_file, kept | {key: choice}, indent=1)
-    return choice
+        jsonfile.write_object(cache_file, kept | {key: value}, indent=1)
 
 
 def _available_variants(total_bytes: int, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
@@ -260,20 +274,12 @@ def tune(model: nn.Module, max_rows: int = MAX_ROWS, repeats: int = 2, cache_fil
             best = {}
             for rows in [r for r in TIMED_ROWS if r < max_rows] + [max_rows]:
                 x = torch.randn(rows, shape[1], generator=gen).to(weights[0].dtype)
-                times = {v: float("inf") for v in variants}
-                for _ in range(repeats + 1):  # interleaved; the first round also warms up
-                    for variant in variants:
-                        t0 = timing.now()
-                        for w, p in zip(weights, packed):
-                            _product(variant, x, w, p)
-                        times[variant] = min(times[variant], timing.now() - t0)
+                times = _fastest(variants, [x] * len(weights), weights, packed, rounds=repeats + 1)
                 best[rows] = min(variants, key=times.__getitem__)
             plan.choices[shape] = [best[min(t for t in best if t >= rows)] for rows in range(1, max_rows + 1)]
     plan.seconds = timing.now() - start
     _PLANS[key] = plan
-    if cache_file is not None:  # a read-only home: tuned again next time
-        kept = {k: v for k, v in _read(cache_file).items() if k.startswith(f"[{_PLAN_FORMAT},")}  # not stale formats
-        jsonfile.write_object(cache_file, kept | {key: plan.summary()}, indent=1)
+    _store(cache_file, key, plan.summary())
     return plan
 
 
