@@ -26,6 +26,7 @@ loading is the exact inverse of saving. Training: sdsat/train/head.py.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,10 +128,55 @@ class SamplerHead(nn.Module):
             seen: (N, K) how often prev was followed by each candidate earlier in the text (`seen_after`); needed
                 when the head reads the context. seen3: the same for the two tokens before the draft (order 3).
         """
+        scores, u = self.text_free_scores(h, prev, slot, cand, cand_logits, embed_in, embed_out)
+        return self.with_context(scores, slot, seen, seen3), u
+
+    def text_free_scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
+                         cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`scores` without the text's own counts: z + w_j log P(c | prev) + u . E_out[c], and u."""
         slot = slot.clamp(max=self.config.num_sats - 1)  # later SATs than trained share the last position's weights
         dtype = self.pair_weight.dtype
         u = self.correction(h.to(dtype), embed_in[prev].to(dtype), slot)
         scores = cand_logits.float() + self.pair_weight[slot, None].float() * self.pair_logp(prev, cand)
+        if self.config.width:
+            scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
+        return scores, u
+
+    def drafting(self, hidden: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, t: int,
+                 embed_in: torch.Tensor, embed_out: torch.Tensor):
+        """`text_free_scores` for a draft pass's k rows drafted in turn: what does not depend on the token before a
+        draft is computed here for every row at once (and the bigram term for every token a row may follow: t, or
+        one of the row before's K candidates); the returned step(j, i) gives row j's (1, K) scores after t (j = 0)
+        or after candidate i of row j - 1, equal to `text_free_scores` up to rounding."""
+        k, width, device = *cand.shape, cand.device
+        slot = torch.arange(k, device=device).clamp(max=self.config.num_sats - 1)
+        prevs = torch.cat([torch.tensor([t], device=device), cand[:-1].reshape(-1)])  # (1 + (k - 1) K,)
+        rows = torch.arange(k, device=device).repeat_interleave(
+            torch.tensor([1] + [width] * (k - 1), device=device))
+        prior = cand_logits[rows] + self.pair_weight[slot][rows, None].float() * self.pair_logp(prevs, cand[rows])
+        if not self.config.width:
+            return lambda j, i: prior[0:1] if j == 0 else prior[1 + (j - 1) * width + i][None]
+        dtype, hidden_size = self.pair_weight.dtype, hidden.shape[-1]
+        from_h = (self.norm_h(hidden.to(dtype)) @ self.inp.weight[:, :hidden_size].T + self.inp.bias
+                  + self.position[slot])  # (k, width): the first layer's part from the SAT's state
+        w_prev = self.inp.weight[:, hidden_size:]
+        cand_out = embed_out[cand].to(dtype)  # (k, K, H)
+        prev_ids = prevs.tolist()
+
+        def step(j: int, i: int) -> torch.Tensor:
+            option = 0 if j == 0 else 1 + (j - 1) * width + i
+            x = nn.functional.gelu(from_h[j] + self.norm_prev(embed_in[prev_ids[option]].to(dtype)) @ w_prev.T)
+            for layer in self.layers:
+                x = nn.functional.gelu(layer(x))
+            return prior[option][None] + (cand_out[j] @ self.out(x)).float()[None]
+
+        return step
+
+    def with_context(self, scores: torch.Tensor, slot: torch.Tensor, seen: torch.Tensor | None,
+                     seen3: torch.Tensor | None) -> torch.Tensor:
+        """`text_free_scores`' scores plus the text's counts of pairs (`seen`) and triples (`seen3`), where read."""
+        slot = slot.clamp(max=self.config.num_sats - 1)
         if self.config.context:
             if seen is None:
                 raise ValueError("this sampler head reads the context: pass `seen` (seen_after)")
@@ -139,9 +185,7 @@ class SamplerHead(nn.Module):
             if seen3 is None:
                 raise ValueError("this sampler head reads the context's triples: pass `seen3` (seen_after, order 3)")
             scores = scores + self.context3_weight[slot, None].float() * torch.log1p(seen3.float())
-        if self.config.width:
-            scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
-        return scores, u
+        return scores
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
@@ -221,6 +265,35 @@ def seen_after(history: torch.Tensor, ends: torch.Tensor, cand: torch.Tensor, or
     return ((history[1:][None, None] == cand[:, :, None]) & after[:, None]).sum(-1)  # (N, K)
 
 
+class TextCounts:
+    """How often each pair and triple of tokens occurs in a growing text, for those that end in one of the
+    `wanted` tokens: `seen_after` at the text's last token, counted once per draft pass instead of once per draft."""
+
+    def __init__(self, text: list[int], wanted: torch.Tensor):
+        self.text = list(text)
+        self.pairs, self.triples = Counter(), Counter()
+        if len(self.text) > 1:
+            tokens = torch.tensor(self.text)
+            for i in torch.isin(tokens[1:], wanted.flatten().cpu()).nonzero()[:, 0].tolist():  # pairs (i, i + 1)
+                self._count(i + 1)
+
+    def _count(self, end: int) -> None:
+        text = self.text
+        self.pairs[text[end - 1], text[end]] += 1
+        if end >= 2:
+            self.triples[text[end - 2], text[end - 1], text[end]] += 1
+
+    def append(self, token: int) -> None:
+        self.text.append(token)
+        self._count(len(self.text) - 1)
+
+    def after_last(self, cand: list[int]) -> tuple[list[int], list[int]]:
+        """How often the last token, and the last two, were followed by each of `cand` (wanted tokens) so far."""
+        prev = self.text[-1]
+        prev2 = self.text[-2] if len(self.text) > 1 else None
+        return ([self.pairs.get((prev, c), 0) for c in cand], [self.triples.get((prev2, prev, c), 0) for c in cand])
+
+
 def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t: int, embed_in: torch.Tensor,
                 embed_out: torch.Tensor, warp, draw, history: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts 1..k in turn, each conditioned on the one before it (draft 1 on t).
@@ -234,20 +307,28 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
 
     The head's logits are -inf outside its K candidates, so each draft is warped and drawn among those K alone (the
     warps and draws keep a row's order, and the candidates are in token order): the vocabulary-wide row a draw
-    would otherwise cost is only written out for q.
+    would otherwise cost is only written out for q. What does not depend on the draws is computed once for
+    all k rows (`SamplerHead.drafting`, `TextCounts`); the loop adds what does, and equals `SamplerHead.candidates`
+    row by row up to rounding.
     """
-    q = torch.zeros(logits.shape, device=logits.device)
-    drafts, prev = [], t
-    device = logits.device
-    text = torch.tensor(list(history) + [t] + [0] * len(hidden), device=device)  # drafts fill in as they are drawn
-    for j in range(len(hidden)):
-        end = len(text) - len(hidden) + j - 1  # where prev stands
-        cand, scores = head.candidates(hidden[j:j + 1], logits[j:j + 1], torch.tensor([prev], device=device),
-                                       torch.tensor([j], device=device), embed_in, embed_out, text[:end + 1],
-                                       torch.tensor([end], device=device))
+    k, width, device = len(hidden), head.config.candidates, logits.device
+    cand_logits, cand = logits.topk(width, dim=-1)  # (k, K) each
+    cand, order = cand.sort(dim=-1)  # token order, as `candidates`
+    cand_logits = cand_logits.gather(-1, order).float()
+    step = head.drafting(hidden, cand, cand_logits, t, embed_in, embed_out)
+    reads_text = head.config.context or head.config.context3
+    counts = TextCounts(list(history) + [t], cand) if reads_text else None
+    q = torch.zeros(logits.shape, device=device)
+    candidates, drafts, prev = cand.tolist(), [], 0  # prev: t (0), else the index of the draft before among its K
+    for j in range(k):
+        scores = step(j, prev)
+        if reads_text:
+            seen, seen3 = (torch.tensor([c], device=device) for c in counts.after_last(candidates[j]))
+            scores = head.with_context(scores, torch.tensor([j], device=device), seen, seen3)
         q_cand = warp(scores)  # (1, K)
-        prev = int(cand[0, draw(q_cand)[0]])
-        text[end + 1] = prev
-        q[j].scatter_(-1, cand[0], q_cand[0])
-        drafts.append(prev)
-    return q, torch.tensor(drafts, device=logits.device)
+        prev = int(draw(q_cand)[0])
+        drafts.append(candidates[j][prev])
+        if reads_text:
+            counts.append(drafts[-1])
+        q[j].scatter_(-1, cand[j], q_cand[0])
+    return q, torch.tensor(drafts, device=device)

@@ -205,6 +205,25 @@ def test_seen_after_of_order_3_counts_the_triples_before_each_position():
     assert edge.tolist() == [[1, 0]]
 
 
+def test_text_counts_equal_seen_after_as_the_text_grows():
+    """A draft pass counts the text's pairs and triples once (TextCounts) and adds each draft as it is drawn: at
+    every length its counts at the last token equal `seen_after`'s over the whole text."""
+    from sdsat.head import TextCounts, seen_after
+
+    gen = torch.Generator().manual_seed(2)
+    text = torch.randint(0, 5, (60,), generator=gen).tolist()
+    cand = torch.tensor([[0, 1, 2], [2, 3, 4]])
+    counts = TextCounts(text[:40], cand)
+    for end in range(39, 60):
+        if end > 39:
+            counts.append(text[end])
+        for row in cand.tolist():
+            whole, where = torch.tensor(text[:end + 1]), torch.tensor([end])
+            pairs, triples = counts.after_last(row)
+            assert pairs == seen_after(whole, where, torch.tensor([row]))[0].tolist()
+            assert triples == seen_after(whole, where, torch.tensor([row]), order=3)[0].tolist()
+
+
 def test_a_head_saved_before_the_context_terms_loads_with_them_off(tmp_path):
     from safetensors.torch import load_file, save_file
 
