@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 import transformers
 
-from . import attention, cpu_kernels, jsonfile, native, sat_kernel
+from . import attention, cpu_kernels, jsonfile, native, sat_kernel, weight_memory
 from .costs import NOISY_SPREAD, CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
@@ -155,6 +155,8 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     buffers = _float_buffers(model)  # the rotary frequencies: .to() would round them to `dtype` for good
     model.to(dtype)
     _put_buffers(model, buffers)
+    if on_cpu:
+        weight_memory.gather(model)  # one block, in the order a pass reads it
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form in EXACT_FORMS and on_cpu
