@@ -257,7 +257,8 @@ def _generate(args: argparse.Namespace, out: TextIO) -> int:
                 log.warning("this machine has not been measured yet: auto uses its fallback settings; `python -m "
                             "sdsat tune` measures it once (a minute or a few) for the fastest settings")
             given = {"k": args.k, "lookup_tokens": args.lookup, "tree_candidates": args.tree}
-            config = engine.auto_config(config, explicit={n for n, value in given.items() if value is not None})
+            config = engine.auto_config(config, explicit={n for n, value in given.items() if value is not None},
+                                        chat=args.chat)
             config.validate(max_k=engine.max_k)
         prompt_ids = engine.encode(args.prompt, chat=args.chat)
         events = engine.stream(prompt_ids, config)  # checks the prompt against the model's context

@@ -141,16 +141,17 @@ class Engine:
         return dataclasses.replace(self, model=model, tokenizer=tokenizer, sat_model=sat_model, tuning=None,
                                    measuring=None)
 
-    def auto_config(self, config: DecodeConfig, explicit: set[str] = frozenset()) -> DecodeConfig:
+    def auto_config(self, config: DecodeConfig, explicit: set[str] = frozenset(), chat: bool = False) -> DecodeConfig:
         """`config` with the planned scheme, k, lookup and tree, except the fields named in `explicit`; without a
         plan (no tuning yet, or SATs without an acceptance trace), two-step with planner.FALLBACK's settings.
+        `chat`: the request goes through the chat template (planned over the chat trace, where there is one).
         Measures nothing: call `tune` or `use_stored_tuning` first."""
         tuning = self.tuning
         plan = None
         if tuning is not None:
             sampling = config.sampling
-            plan = tuning.plan if not sampling.do_sample else tuning.plan_for(
-                SCHEMES, greedy=False, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+            plan = tuning.plan_for(SCHEMES, greedy=not sampling.do_sample, temperature=sampling.temperature,
+                                   top_p=sampling.top_p, top_k=sampling.top_k, chat=chat)
         if plan is None:
             settings = dict(FALLBACK, scheme="two_step",
                             tree_candidates=0 if config.sampling.do_sample else FALLBACK["tree_candidates"])

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ SOURCES = ("vectors.h", "sat_update.cpp", "attend.cpp", "linear.cpp", "bindings.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
+STALE_LOCK_SECONDS = 15 * 60  # a build takes a minute or a few: a lock file this old was left by a killed one
 _module = None  # the loaded extension, once built
 _failed: str | None = None  # why it could not be built, once tried
 _lock = threading.Lock()
@@ -54,6 +56,7 @@ def build():
         digest, sources = _digest()
         name, folder = f"sdsat_native_{digest}", _folder(digest)
         try:
+            _drop_stale_lock(folder / "lock")
             # built before: imported as it is (no ninja needed); while another process builds it (torch's lock file
             # is there, the library maybe half written), torch's loader waits for that build
             if (folder / f"{name}.so").is_file() and not (folder / "lock").exists():
@@ -69,6 +72,17 @@ def build():
             _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
             log.info("the compiled kernels are not available here (%s); using PyTorch's ops", _failed)
         return _module
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """Remove the lock file of a build that was killed (a process stopped mid-build leaves it, and torch's loader
+    would wait for it for ever): one older than any build takes."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
+            log.warning("removed %s, left by a build of the compiled kernels that did not finish", lock)
+    except OSError:  # no lock, or another process removed it first
+        pass
 
 
 def built() -> bool:

@@ -26,6 +26,7 @@ from .drafters import lookup_continuation
 from .tree import MAX_EXTRA, DraftTree
 
 TRACE_FILE = "acceptance.json"
+CHAT_TRACE_FILE = "acceptance-chat.json"  # chat prompts' trace, beside it where measured: chat requests plan from it
 LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turns lookup on
 # auto without a plan (SATs without an acceptance trace, a machine not measured yet): the settings measured
 # fastest on the AMD EPYC of docs/results.md; sampling without a plan drops the tree

@@ -41,7 +41,7 @@ from . import attention, cpu_kernels, jsonfile, native, sat_kernel, weight_memor
 from .costs import NOISY_SPREAD, CostCurve, RowCheck, check_rows, measure_curve
 from .default_model import cache_dir
 from .hardware import cpu_name
-from .planner import TRACE_FILE, Plan, Trace, choose
+from .planner import CHAT_TRACE_FILE, TRACE_FILE, Plan, Trace, choose
 
 log = logging.getLogger(__name__)
 
@@ -76,23 +76,26 @@ class Tuning:
     plan: Plan | None = None  # None: no acceptance trace for these SATs (then `note` says so)
     note: str = ""
     trace: Trace | None = field(default=None, repr=False)
+    chat_trace: Trace | None = field(default=None, repr=False)  # chat prompts' trace, where the SATs ship one
     max_k: int = 0
     noisy: dict[str, bool] = field(default_factory=dict)  # by precision: measured while the cores were busy
     _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # plan_for's other plans
 
     def plan_for(self, schemes: tuple[str, ...] = ("two_step",), greedy: bool = True, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0) -> Plan | None:
+                 top_p: float = 1.0, top_k: int = 0, chat: bool = False) -> Plan | None:
         """The plan among `schemes` only (the page has no fused control), in the precision the model is in;
         for sampling (`greedy` False) at `temperature`, `top_p` and `top_k`, priced at the trace's nearest
-        measured sampled acceptance."""
+        measured sampled acceptance; for a chat request (`chat`), replayed over the chat prompts' trace where
+        the SATs ship one (chat drafts are right less often than code's, and its text repeats itself less)."""
         if self.plan is None or self.trace is None:
             return None
-        if greedy and self.plan.settings.scheme in schemes:
+        trace = self.chat_trace if chat and self.chat_trace is not None else self.trace
+        if greedy and self.plan.settings.scheme in schemes and trace is self.trace:
             return self.plan
-        sampled = None if greedy else self.trace.sampled_at(temperature, top_p, top_k)
-        key = (schemes, greedy, sampled and (sampled.temperature, sampled.top_p, sampled.top_k))
+        sampled = None if greedy else trace.sampled_at(temperature, top_p, top_k)
+        key = (schemes, greedy, sampled and (sampled.temperature, sampled.top_p, sampled.top_k), trace is self.trace)
         if key not in self._plans:  # a replay of every setting: worth keeping per request kind
-            self._plans[key] = choose(list(self.curves.values()), self.trace, self.max_k, greedy,
+            self._plans[key] = choose(list(self.curves.values()), trace, self.max_k, greedy,
                                       usable={self.plan.dtype}, schemes=schemes, baseline=self.baseline,
                                       names=self.names, temperature=temperature, top_p=top_p, top_k=top_k)
         return self._plans[key]
@@ -257,10 +260,10 @@ def precisions_to_try(model: torch.nn.Module, fixed: bool) -> list[str]:
     return [loaded, "float32"] if half else [loaded]
 
 
-def load_trace(sat_model) -> Trace | None:
-    """The acceptance trace shipped next to the SAT adapter, if any."""
+def load_trace(sat_model, name: str = TRACE_FILE) -> Trace | None:
+    """The acceptance trace shipped next to the SAT adapter, if any (`name`: CHAT_TRACE_FILE for chat's)."""
     folder = sat_model.spec.adapter
-    path = Path(folder) / TRACE_FILE if folder else None
+    path = Path(folder) / name if folder else None
     if path is None or not path.is_file():
         return None
     try:
@@ -526,6 +529,7 @@ def tune(sat_model, model_name: str, fixed_dtype: bool = False, kernels: bool = 
 def _plan(tuning: Tuning, sat_model, kernels: bool) -> None:
     """Choose, and leave the model in the chosen precision and form."""
     trace = tuning.trace = load_trace(sat_model)
+    tuning.chat_trace = load_trace(sat_model, CHAT_TRACE_FILE)
     tuning.max_k = sat_model.max_k
     loaded = dtype_name(sat_model.model)
     if loaded in tuning.usable and tuning.forms.get(loaded) in EXACT_FORMS:  # exact decoding even without a plan

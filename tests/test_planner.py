@@ -275,3 +275,28 @@ def test_trace_round_trips_through_its_file(tmp_path):
     assert again.depth == trace.depth
     assert [p.ranks for p in again.prompts] == [p.ranks for p in trace.prompts]
     assert [p.output_ids for p in again.prompts] == [p.output_ids for p in trace.prompts]
+
+
+def test_chat_requests_plan_from_the_chat_trace_where_one_ships():
+    """A tuning with a chat trace beside the code one: chat requests replay it (here its output never repeats
+    the prompt and its drafts are worse, so prompt lookup and deep drafts do not pay), code requests keep the code
+    plan; without a chat trace chat requests take the code plan."""
+    from sdsat.tuning import Tuning
+
+    flat = curve(lambda w: 1 + 0.02 * (w - 1))
+    code = synthetic_trace(repeat=True)
+    chat = synthetic_trace(seed=5)
+    for prompt in chat.prompts:  # SAT 1 right half the time, none deeper
+        prompt.ranks = [[0 if (n % 2 and d == 1) else MISSED for d in range(1, len(row) + 1)]
+                        for n, row in enumerate(prompt.ranks)]
+    plan = choose([flat], code, max_k=6, usable={"float32"})
+    tuning = Tuning(curves={"float32": flat}, plan=plan, trace=code, max_k=6)
+    assert tuning.plan_for(("two_step",), chat=True) is plan  # no chat trace: the code plan
+    tuning.chat_trace = chat
+    chat_plan = tuning.plan_for(("two_step",), chat=True)
+    assert chat_plan == choose([flat], chat, max_k=6, usable={"float32"}, schemes=("two_step",),
+                               baseline=tuning.baseline, names=tuning.names)
+    assert chat_plan.settings.k < plan.settings.k
+    assert tuning.plan_for(("two_step",)) is plan
+    sampled = tuning.plan_for(("two_step",), greedy=False, chat=True)
+    assert sampled.settings.k <= plan.settings.k and sampled is tuning.plan_for(("two_step",), greedy=False, chat=True)

@@ -133,3 +133,19 @@ def test_where_it_cannot_be_built_the_ops_do_the_work(monkeypatch, caplog, tmp_p
     sat_model = seven_projection_model(torch.float32)
     with torch.inference_mode():
         assert torch.isfinite(sat_model.forward(torch.tensor([[5, 7, 1]]), torch.tensor([[-1, 0, 1]]))).all()
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_ones_is_kept(tmp_path):
+    """A process killed mid-build leaves torch's lock file, and every later build would wait on it for ever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    native._drop_stale_lock(lock)
+    assert lock.exists()  # a build may be running now
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    native._drop_stale_lock(lock)
+    assert not lock.exists()
+    native._drop_stale_lock(lock)  # none there: nothing to do

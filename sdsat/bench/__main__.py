@@ -223,8 +223,9 @@ def _prepare(args) -> _Bench:
     # The auto recipe's plan; tuning may move the model to the precision it chose, before anything is timed.
     wants_auto = AUTO in args.schemes and any(m.startswith("sdsat") for m in args.methods)
     # A kept measurement taken under load is measured again: a benchmark's plan is never a busy spell's.
+    # A run of chat prompts alone takes the chat plan (where the SATs ship a chat trace), as the page's Chat does.
     auto = (auto_choices(engine.tune(remeasure="noisy"), engine.max_k, args.temperatures, args.top_p,
-                         args.top_k)
+                         args.top_k, chat=all(p.kind == "chat" for p in prompts))
             if wants_auto else None)
     k_list = args.k if args.k else list(range(1, engine.max_k + 1))
     config = BenchConfig(methods=args.methods, k_list=k_list, sample_k=min(args.sample_k, engine.max_k),

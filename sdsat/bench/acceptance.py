@@ -9,7 +9,9 @@ i-th sibling tried at each depth passes its accept test, and how often each copy
 planner looks for prompt lookup's copies when sampling (sampled text repeats itself less than greedy). The
 trace depends on the model and its SATs, not on the machine, so it is measured once and shipped next to
 the adapter (`acceptance.json`). The default prompts are HumanEval's last 16 problems, kept apart from
-the benchmark's headline subset (0–15).
+the benchmark's headline subset (0–15). Chat requests plan from a trace of their own where one ships
+(`acceptance-chat.json`, measured with `--prompts assets/prompts/chat.jsonl`): chat drafts are right less often,
+and chat text repeats its prompt less, than code.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ..planner import LOOKUP_TOKENS, MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Trace
+from ..planner import CHAT_TRACE_FILE, LOOKUP_TOKENS, MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Trace
 from ..tree import MAX_EXTRA
 
 # (temperature, top_p, top_k) of the sampled acceptance measured: the benchmark's two settings, and the page's
@@ -125,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--subset", default="148-163", help="HumanEval problems (default 148-163)")
     which.add_argument("--prompts", metavar="FILE",
                        help="a prompt file (JSON lines, as the benchmark's) instead of HumanEval problems; chat "
-                            "prompts get the chat template. Name an --out: the default is the trace auto plans from")
+                            "prompts get the chat template. A file of chat prompts alone is written to "
+                            f"{CHAT_TRACE_FILE} (chat requests plan from it); name an --out for any other")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
                         help="tokens of vanilla output per prompt (default 128)")
     parser.add_argument("--model", default=None, metavar="ID_OR_DIR",
                         help="hub id or local folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch threads (default: torch's choice)")
     parser.add_argument("--out", metavar="FILE",
-                        help=f"where to write the trace (default: {TRACE_FILE} in the model's adapter folder)")
+                        help=f"where to write the trace (default: {TRACE_FILE} in the model's adapter folder, "
+                             f"{CHAT_TRACE_FILE} for chat prompts)")
     parser.add_argument("--sampled-only", action="store_true",
                         help="keep the greedy trace in --out and measure the sampled acceptance again (default off)")
     args = parser.parse_args(argv)
@@ -151,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL))
     if engine.sat_model.spec.adapter is None and not args.out:
         parser.error("--out is needed for a model whose SATs are not an adapter folder")
-    out = Path(args.out or Path(engine.sat_model.spec.adapter) / TRACE_FILE)
+    chat_only = bool(args.prompts) and all(p.kind == "chat" for p in prompts)
+    if args.prompts and not chat_only and not args.out:
+        parser.error("--out is needed for prompts that are not all chat: the default traces are HumanEval's and chat's")
+    out = Path(args.out or Path(engine.sat_model.spec.adapter) / (CHAT_TRACE_FILE if chat_only else TRACE_FILE))
     depth = engine.max_k
     which, flag = (args.prompts, f"--prompts {args.prompts}") if args.prompts else (
         f"HumanEval {args.subset}", f"--subset {args.subset}")

@@ -70,19 +70,19 @@ class AutoChoice:
 
 
 def auto_choices(tuning: Tuning, max_k: int, temperatures: tuple[float, ...] = (), top_p: float = 1.0,
-                 top_k: int = 0) -> tuple[AutoChoice, dict[float, AutoChoice]]:
+                 top_k: int = 0, chat: bool = False) -> tuple[AutoChoice, dict[float, AutoChoice]]:
     """The auto recipe's choices from a tuning: its greedy plan, and per sampling temperature the plan for
-    sampling at it (`plan_for(greedy=False)`); without a plan (no acceptance trace) the default settings
-    and the note."""
+    sampling at it (`plan_for(greedy=False)`), chat's plans where `chat`; without a plan (no acceptance trace)
+    the default settings and the note."""
     def choice(plan) -> AutoChoice:
         settings = plan.settings if plan is not None else Settings()
         settings = Settings(settings.scheme, min(settings.k, max_k), settings.lookup_tokens, settings.tree_candidates)
         return AutoChoice(settings, {"settings": asdict(settings), "plan": plan.to_dict() if plan is not None else None,
                                      "note": tuning.note})
 
-    sampled = {t: choice(tuning.plan_for(SCHEMES, greedy=False, temperature=t, top_p=top_p, top_k=top_k))
+    sampled = {t: choice(tuning.plan_for(SCHEMES, greedy=False, temperature=t, top_p=top_p, top_k=top_k, chat=chat))
                for t in temperatures}
-    return choice(tuning.plan_for(SCHEMES, greedy=True)), sampled
+    return choice(tuning.plan_for(SCHEMES, greedy=True, chat=chat)), sampled
 
 
 @dataclass(frozen=True)

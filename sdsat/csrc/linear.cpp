@@ -27,9 +27,10 @@ static inline lf load_tail(const at::BFloat16* p, int64_t n) {
   return loadv(t);
 }
 
-// Outputs o0..o0+A of rows m0..m0+B (A <= OT, B <= MT): w's rows are `S` apart, x's `P` (zeros past I). Each sum
-// runs over the input in vectors (the last one zero-padded), then over its lanes: the same operations for any A, B
-// and place in the tile. `ahead`, where not null, is read (prefetched) beside w's rows: the rows PF further on.
+// Outputs o0..o0+A of rows m0..m0+B: w's rows are `S` apart, x's `P` (zeros past I). Each sum runs over the input
+// in vectors (the last one zero-padded), then over its lanes: the same operations for any A, B and place in the
+// tile, so any tiling gives every output the same bits. `ahead`, where not null, is read (prefetched) beside w's
+// rows: the rows PF further on.
 template <int A, int B, typename W, typename T>
 __attribute__((always_inline)) inline void tile(const float* xf, int64_t P, int64_t I, const W* w, int64_t S,
                                                 const W* ahead, int64_t m0, T* out, int64_t O) {
@@ -57,44 +58,47 @@ __attribute__((always_inline)) inline void tile(const float* xf, int64_t P, int6
     for (int b = 0; b < B; ++b) out[(m0 + b) * O + a] = static_cast<T>(lane_sum(acc[a][b]));
 }
 
-// All M rows of outputs o0..o0+A (out points at output o0 of row 0, w at its weight row).
-template <int A, typename W, typename T>
+// All M rows of outputs o0..o0+A in tiles of R rows (out points at output o0 of row 0, w at its weight row).
+template <int A, int R, typename W, typename T>
 inline void column(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t S, const W* ahead, T* out,
                    int64_t O) {
   int64_t m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) tile<A, MT>(xf, P, I, w, S, ahead, m0, out, O);
+  for (; m0 + R <= M; m0 += R) tile<A, R>(xf, P, I, w, S, ahead, m0, out, O);
   switch (M - m0) {
     case 1: tile<A, 1>(xf, P, I, w, S, ahead, m0, out, O); break;
-    case 2: tile<A, 2>(xf, P, I, w, S, ahead, m0, out, O); break;
-    case 3: tile<A, 3>(xf, P, I, w, S, ahead, m0, out, O); break;
+    case 2: if constexpr (R > 2) tile<A, 2>(xf, P, I, w, S, ahead, m0, out, O); break;
+    case 3: if constexpr (R > 3) tile<A, 3>(xf, P, I, w, S, ahead, m0, out, O); break;
+    case 4: if constexpr (R > 4) tile<A, 4>(xf, P, I, w, S, ahead, m0, out, O); break;
+    case 5: if constexpr (R > 5) tile<A, 5>(xf, P, I, w, S, ahead, m0, out, O); break;
     default: break;
   }
 }
 
-template <typename W, typename T>
+template <int OUTS, int R, typename W, typename T>
 inline void column_of(int64_t n, const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t S,
                       const W* ahead, T* out, int64_t O) {
   switch (n) {
-    case 1: return column<1>(xf, P, M, I, w, S, ahead, out, O);
-    case 2: return column<2>(xf, P, M, I, w, S, ahead, out, O);
-    case 3: return column<3>(xf, P, M, I, w, S, ahead, out, O);
-    default: return column<OT>(xf, P, M, I, w, S, ahead, out, O);
+    case 1: return column<1, R>(xf, P, M, I, w, S, ahead, out, O);
+    case 2: if constexpr (OUTS > 2) return column<2, R>(xf, P, M, I, w, S, ahead, out, O); break;
+    case 3: if constexpr (OUTS > 3) return column<3, R>(xf, P, M, I, w, S, ahead, out, O); break;
+    default: break;
   }
+  return column<OUTS, R>(xf, P, M, I, w, S, ahead, out, O);
 }
 
-constexpr int64_t PF = 4 * OT;  // weight rows read ahead, four tiles on: the memory's latency outlasts a tile
-
-template <typename W, typename T>
-void product(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t O, T* out) {
-  const int64_t tiles = (O + OT - 1) / OT;
+// Tiles of OUTS outputs by R rows; the weight rows PF = 4 tiles on are read ahead: the memory's latency outlasts a tile
+template <int OUTS, int R, typename W, typename T>
+void product_in(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t O, T* out) {
+  constexpr int64_t PF = 4 * OUTS;
+  const int64_t tiles = (O + OUTS - 1) / OUTS;
   // with more than two tiles of rows, bfloat16 weights are widened to float32 (exactly) once per tile of outputs
   // into a buffer, rather than once per tile of rows (for two, converting twice costs less than the buffer)
-  const bool widen = M > 2 * MT && !std::is_same<W, float>::value;
+  const bool widen = M > 2 * R && !std::is_same<W, float>::value;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(widen ? OT * P : 0, 0.f);
+    std::vector<float> widened(widen ? OUTS * P : 0, 0.f);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t o0 = t * OT, n = O - o0 < OT ? O - o0 : OT;
-      const W* ahead = o0 + PF + OT <= O ? w + (o0 + PF) * I : nullptr;
+      const int64_t o0 = t * OUTS, n = O - o0 < OUTS ? O - o0 : OUTS;
+      const W* ahead = o0 + PF + OUTS <= O ? w + (o0 + PF) * I : nullptr;
       if (widen) {
         for (int64_t a = 0; a < n; ++a) {
           const W* row = w + (o0 + a) * I;
@@ -106,12 +110,20 @@ void product(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64
           }
           for (; i < I; ++i) into[i] = static_cast<float>(row[i]);
         }
-        column_of(n, xf, P, M, I, widened.data(), P, static_cast<const float*>(nullptr), out + o0, O);
+        column_of<OUTS, R>(n, xf, P, M, I, widened.data(), P, static_cast<const float*>(nullptr), out + o0, O);
       } else {
-        column_of(n, xf, P, M, I, w + o0 * I, I, ahead, out + o0, O);
+        column_of<OUTS, R>(n, xf, P, M, I, w + o0 * I, I, ahead, out + o0, O);
       }
     }
   });
+}
+
+// The tile's shape by the number of rows, where AVX2's 16 registers make it matter: 3 outputs by up to 4 rows, 2 by
+// 5 or 6 (one tile of rows, not 4 and a tile of 1 or 2 that converts the weights again for little work)
+template <typename W, typename T>
+void product(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t O, T* out) {
+  if (LW == 8 && M > MT && M <= 6) return product_in<2, 6>(xf, P, M, I, w, O, out);
+  product_in<OT, MT>(xf, P, M, I, w, O, out);
 }
 
 template <typename T>

@@ -298,7 +298,8 @@ class Chat:
         try:
             engine = self._engine(model)  # auto's values are the loaded model's plan for this machine
             planned_t = temperature if isinstance(temperature, (int, float)) else 1.0  # checked with the rest below
-            auto = auto_settings(engine.tuning, mode != "sampling", engine.max_k, planned_t, CHAT_TOP_P, CHAT_TOP_K)
+            auto = auto_settings(engine.tuning, mode != "sampling", engine.max_k, planned_t, CHAT_TOP_P, CHAT_TOP_K,
+                                 chat=True)
             inputs = dict(prompt=check_message(message), model=model, chat=True, mode=mode,
                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=CHAT_TOP_P, top_k=CHAT_TOP_K,
                           seed=runs - 1) | scheme_settings(scheme, auto)

@@ -134,6 +134,9 @@ def machine_view(engine: Engine) -> MachineView:
         lines.append(f"{', '.join(noisy)}: measured while something else used the cores; kept (the page "
                      "measures it again when the machine is quiet, `python -m sdsat tune --force` on request)")
     lines.append(auto_line(tuning, chosen))
+    chat_plan = tuning.plan_for(("two_step",), chat=True) if tuning.chat_trace is not None else None
+    if chat_plan is not None:  # the Chat tab's, planned over the chat prompts' trace
+        lines.append(f"auto for chat: {chat_plan.reason}")
     figure = figures.cost_figure(tuning.curves, names, tuning.usable, dtype_name(engine.model), chosen)
     return MachineView(lines_html(lines), figure)
 

@@ -33,10 +33,11 @@ DEFAULT_SCHEME = next(iter(SCHEME_LABELS))
 
 def auto_settings(tuning: Tuning | None, greedy: bool = True, max_k: int | None = None,
                   temperature: float = PAGE_SAMPLING["temperature"], top_p: float = PAGE_SAMPLING["top_p"],
-                  top_k: int = PAGE_SAMPLING["top_k"]) -> dict:
+                  top_k: int = PAGE_SAMPLING["top_k"], chat: bool = False) -> dict:
     """k, lookup_tokens and tree_candidates of the machine's two-step plan (FALLBACK without one), k at most
-    `max_k`; for sampling, the plan at `temperature`, `top_p` and `top_k` (the page's defaults unless given)."""
-    plan = tuning.plan_for(("two_step",), greedy, temperature, top_p, top_k) if tuning is not None else None
+    `max_k`; for sampling, the plan at `temperature`, `top_p` and `top_k` (the page's defaults unless given);
+    `chat`: the plan for chat requests (Tuning.plan_for)."""
+    plan = tuning.plan_for(("two_step",), greedy, temperature, top_p, top_k, chat) if tuning is not None else None
     chosen = dict(FALLBACK) if plan is None else dict(k=plan.settings.k, lookup_tokens=plan.settings.lookup_tokens,
                                                       tree_candidates=plan.settings.tree_candidates)
     if max_k is not None:
