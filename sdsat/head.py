@@ -29,6 +29,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -143,33 +144,37 @@ class SamplerHead(nn.Module):
             scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
         return scores, u
 
+    @torch.no_grad()
     def drafting(self, hidden: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, t: int,
-                 embed_in: torch.Tensor, embed_out: torch.Tensor):
-        """`text_free_scores` for a draft pass's k rows drafted in turn: what does not depend on the token before a
-        draft is computed here for every row at once (and the bigram term for every token a row may follow: t, or
-        one of the row before's K candidates); the returned step(j, i) gives row j's (1, K) scores after t (j = 0)
-        or after candidate i of row j - 1, equal to `text_free_scores` up to rounding."""
-        k, width, device = *cand.shape, cand.device
+                 embed_in: torch.Tensor, embed_out: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+        """`text_free_scores` for a draft pass's k rows drafted in turn (in eval mode: no dropout): what does not
+        depend on the token before a draft is computed here for every row at once (and the bigram term for every
+        token a row may follow: t, or one of the row before's K candidates); the returned step(j, i) gives row j's
+        (1, K) scores after t (j = 0) or after candidate i of row j - 1, equal to `text_free_scores` up to rounding."""
+        k, top, device = *cand.shape, cand.device  # top: K
         slot = torch.arange(k, device=device).clamp(max=self.config.num_sats - 1)
         prevs = torch.cat([torch.tensor([t], device=device), cand[:-1].reshape(-1)])  # (1 + (k - 1) K,)
-        rows = torch.arange(k, device=device).repeat_interleave(
-            torch.tensor([1] + [width] * (k - 1), device=device))
+        rows = torch.arange(k, device=device).repeat_interleave(torch.tensor([1] + [top] * (k - 1), device=device))
         prior = cand_logits[rows] + self.pair_weight[slot][rows, None].float() * self.pair_logp(prevs, cand[rows])
+
+        def option(j: int, i: int) -> int:
+            return 0 if j == 0 else 1 + (j - 1) * top + i
+
         if not self.config.width:
-            return lambda j, i: prior[0:1] if j == 0 else prior[1 + (j - 1) * width + i][None]
+            return lambda j, i: prior[option(j, i)][None]
         dtype, hidden_size = self.pair_weight.dtype, hidden.shape[-1]
         from_h = (self.norm_h(hidden.to(dtype)) @ self.inp.weight[:, :hidden_size].T + self.inp.bias
-                  + self.position[slot])  # (k, width): the first layer's part from the SAT's state
+                  + self.position[slot])  # (k, MLP width): the first layer's part from the SAT's state
         w_prev = self.inp.weight[:, hidden_size:]
-        cand_out = embed_out[cand].to(dtype)  # (k, K, H)
+        cand_out = embed_out[cand].float()  # (k, K, H)
         prev_ids = prevs.tolist()
 
         def step(j: int, i: int) -> torch.Tensor:
-            option = 0 if j == 0 else 1 + (j - 1) * width + i
-            x = nn.functional.gelu(from_h[j] + self.norm_prev(embed_in[prev_ids[option]].to(dtype)) @ w_prev.T)
+            at = option(j, i)
+            x = nn.functional.gelu(from_h[j] + self.norm_prev(embed_in[prev_ids[at]].to(dtype)) @ w_prev.T)
             for layer in self.layers:
                 x = nn.functional.gelu(layer(x))
-            return prior[option][None] + (cand_out[j] @ self.out(x)).float()[None]
+            return prior[at][None] + (cand_out[j] @ self.out(x).float())[None]
 
         return step
 
@@ -311,8 +316,8 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
     all k rows (`SamplerHead.drafting`, `TextCounts`); the loop adds what does, and equals `SamplerHead.candidates`
     row by row up to rounding.
     """
-    k, width, device = len(hidden), head.config.candidates, logits.device
-    cand_logits, cand = logits.topk(width, dim=-1)  # (k, K) each
+    k, device = len(hidden), logits.device
+    cand_logits, cand = logits.topk(head.config.candidates, dim=-1)  # (k, K) each
     cand, order = cand.sort(dim=-1)  # token order, as `candidates`
     cand_logits = cand_logits.gather(-1, order).float()
     step = head.drafting(hidden, cand, cand_logits, t, embed_in, embed_out)

@@ -56,7 +56,8 @@ def build():
         digest, sources = _digest()
         name, folder = f"sdsat_native_{digest}", _folder(digest)
         try:
-            _drop_stale_lock(folder / "lock")
+            if _drop_stale_lock(folder / "lock"):
+                (folder / f"{name}.so").unlink(missing_ok=True)  # maybe half written: built again
             # built before: imported as it is (no ninja needed); while another process builds it (torch's lock file
             # is there, the library maybe half written), torch's loader waits for that build
             if (folder / f"{name}.so").is_file() and not (folder / "lock").exists():
@@ -74,15 +75,17 @@ def build():
         return _module
 
 
-def _drop_stale_lock(lock: Path) -> None:
+def _drop_stale_lock(lock: Path) -> bool:
     """Remove the lock file of a build that was killed (a process stopped mid-build leaves it, and torch's loader
-    would wait for it for ever): one older than any build takes."""
+    would wait for it for ever): one older than any build takes. True where one was removed."""
     try:
         if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink()
             log.warning("removed %s, left by a build of the compiled kernels that did not finish", lock)
+            return True
     except OSError:  # no lock, or another process removed it first
         pass
+    return False
 
 
 def built() -> bool:

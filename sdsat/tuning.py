@@ -269,7 +269,8 @@ def load_trace(sat_model, name: str = TRACE_FILE) -> Trace | None:
     try:
         return Trace.load(path)
     except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("acceptance trace %s cannot be read (%s); auto keeps the default settings", path, err)
+        log.warning("acceptance trace %s cannot be read (%s); %s", path, err,
+                    "auto keeps the default settings" if name == TRACE_FILE else "chat requests take the code plan")
         return None
 
 

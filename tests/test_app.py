@@ -640,7 +640,7 @@ def test_race_shows_predicted_and_implied_speedups_beside_the_achieved(page, tun
 
 
 def test_without_a_trace_auto_keeps_the_defaults_and_says_why(page, tuned_engine, tuning_file, monkeypatch):
-    monkeypatch.setattr(tuning, "load_trace", lambda sat_model: None)  # SATs that ship no acceptance trace
+    monkeypatch.setattr(tuning, "load_trace", lambda sat_model, name=None: None)  # SATs that ship no acceptance trace
     # The pass costs as tuned_engine measured them (read back from its file): only the plan needs the trace.
     untraced = tuning.tune(tuned_engine.sat_model, tuned_engine.name, fixed_dtype=True, cache_file=tuning_file)
     assert untraced.plan is None and untraced.note

@@ -137,6 +137,37 @@ def test_q_is_the_distribution_each_draft_was_drawn_from(settings):
             assert int(drafts[j]) == int(row[0].argmax())
 
 
+@pytest.mark.parametrize("mlp,context,k", [(False, True, 3), (True, False, 3), (False, False, 1), (True, True, 1)])
+def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k):
+    """head_drafts scores a pass's rows with what they share computed once (SamplerHead.drafting, TextCounts): with
+    or without the MLP and the text's counts, k of 1 or 3, each row's q equals the head's own logits for that row,
+    given the drafts before it, warped (sampled at T 1.3, so every candidate keeps mass)."""
+    sat_model = tiny_sat_model(head=True)
+    head = sat_model.sampler
+    head.config.context = head.config.context3 = context
+    if not mlp:
+        head.config.width = 0
+    chooser = TokenChooser(SamplingConfig(do_sample=True, temperature=1.3, seed=2), sat_model.device)
+    model = sat_model.model
+    embed_in, embed_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    history = PROMPT + [2, 5, 2, 6, 2]
+    with torch.inference_mode():
+        ids = torch.tensor([history + [0] * k])
+        slots = torch.tensor([[-1] * len(history) + list(range(k))])
+        hidden = sat_model.hidden_states(ids, slots)[0, -k:]
+        logits = sat_model.head(hidden)
+        t = 2
+        q, drafts = head_drafts(head, hidden, logits, t, embed_in, embed_out, chooser.probs, chooser.draw, history)
+        text = torch.tensor(history + [t] + drafts.tolist())
+        prev = [t] + drafts.tolist()[:-1]
+        for j in range(k):
+            end = len(history) + j
+            row = head.logits(hidden[j:j + 1], logits[j:j + 1], torch.tensor([prev[j]]), torch.tensor([j]), embed_in,
+                              embed_out, text, torch.tensor([end]))
+            assert torch.allclose(chooser.probs(row)[0], q[j], atol=1e-6)
+            assert q[j, drafts[j]] > 0
+
+
 @pytest.mark.parametrize("name,k,extra,settings", [
     ("chain-t1.3-k3", 3, 0, dict(temperature=1.3)),
     ("chain-t0.7-topp0.9-k2", 2, 0, dict(temperature=0.7, top_p=0.9)),
@@ -211,7 +242,7 @@ def test_text_counts_equal_seen_after_as_the_text_grows():
     from sdsat.head import TextCounts, seen_after
 
     gen = torch.Generator().manual_seed(2)
-    text = torch.randint(0, 5, (60,), generator=gen).tolist()
+    text = torch.randint(0, 9, (60,), generator=gen).tolist()  # tokens beyond the candidates too
     cand = torch.tensor([[0, 1, 2], [2, 3, 4]])
     counts = TextCounts(text[:40], cand)
     for end in range(39, 60):

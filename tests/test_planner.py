@@ -251,6 +251,21 @@ def test_the_shipped_trace_measured_the_pages_own_sampling_defaults():
     assert (shipped.temperature, shipped.top_p, shipped.top_k) == page
 
 
+def test_the_shipped_chat_trace_replays_chat_prompts_through_the_chat_template():
+    """The default adapter ships a chat trace (chat requests plan from it): the chat suite's prompts, greedy and at
+    the page's sampling defaults, every output position ranked."""
+    from sdsat.bench.prompts import file_prompts
+    from sdsat.planner import CHAT_TRACE_FILE
+
+    chat = Trace.load(DEFAULT_ADAPTER / CHAT_TRACE_FILE)
+    prompts = file_prompts("assets/prompts/chat.jsonl")
+    assert "chat.jsonl" in chat.source and len(chat.prompts) == len(prompts)
+    assert all(len(p.ranks) == len(p.output_ids) for p in chat.prompts)
+    page = chat.sampled_at(**PAGE_SAMPLING)
+    assert (page.temperature, page.top_p, page.top_k) == tuple(PAGE_SAMPLING[n] for n in ("temperature", "top_p",
+                                                                                         "top_k"))
+
+
 def test_a_trace_file_without_top_k_or_sampled_outputs_loads_as_sampled_without_them(tmp_path):
     """Traces measured before top-k and the sampled outputs were recorded still load (and replay over greedy
     text); a trace whose sampled outputs do not pair with its prompts is refused by name."""

@@ -38,3 +38,20 @@ def test_tied_weights_stay_tied_and_a_conversion_takes_the_weights_out_again():
     assert not weight_memory.gathered(model)
     assert weight_memory.gather(model) and weight_memory.gathered(model)
     assert len(_storages(model)) == 1 and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_a_tuning_that_tries_another_precision_leaves_the_model_as_it_was(default_engine):
+    """`tuning.trying` converts the model (gathering it anew) and puts its earlier tensors back: the model is
+    again in its own block, and nothing on it holds the block of the precision tried."""
+    from sdsat import tuning
+
+    sat_model = default_engine.sat_model
+    precision = tuning.dtype_name(sat_model.model)
+    other = "bfloat16" if precision == "float32" else "float32"
+    weight_memory.gather(sat_model.model)
+    before = _storages(sat_model.model)
+    with tuning.trying(sat_model, other, True, tuning.ROUTED):
+        assert weight_memory.gathered(sat_model.model) and _storages(sat_model.model) != before
+    assert _storages(sat_model.model) == before
+    assert not any(isinstance(value, torch.Tensor) and value.numel() > 1 << 20
+                   for value in vars(sat_model.model).values())

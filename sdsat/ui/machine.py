@@ -170,27 +170,30 @@ class RaceCosts:
 NO_COSTS = dict.fromkeys(("predicted_speedup", "implied_speedup", "fastest_vanilla", "cost_curve", "auto"))
 
 
-def race_costs(engine: Engine, config: DecodeConfig, sdsat: GenerationResult, achieved: float) -> RaceCosts | None:
+def race_costs(engine: Engine, config: DecodeConfig, sdsat: GenerationResult, achieved: float,
+               chat: bool = False) -> RaceCosts | None:
     """The predicted and implied speed-ups of a finished race, and the achieved one against the fastest
-    vanilla measured here; None when this machine was not measured in the race's precision."""
+    vanilla measured here; None when this machine was not measured in the race's precision. A `chat` race is
+    predicted over the chat trace and compared with chat's plan, where the SATs ship one."""
     tuning, dtype = engine.tuning, dtype_name(engine.model)
     curve = tuning.curves.get(dtype) if tuning is not None else None
     if curve is None or tuning.forms.get(dtype, form_of(engine.model)) != form_of(engine.model):
         return None  # not measured in the numerics this race ran in
     settings = Settings(config.scheme, config.k, config.lookup_tokens, config.tree_candidates)
     sampling, predicted = config.sampling, None
-    if tuning.trace is not None and tuning.trace.prompts:
+    trace = tuning.chat_trace if chat and tuning.chat_trace is not None else tuning.trace
+    if trace is not None and trace.prompts:
         sampled = None
         if sampling.do_sample:
-            sampled = tuning.trace.sampled_at(sampling.temperature, sampling.top_p, sampling.top_k)
-        predicted = predict(tuning.trace, settings, curve, curve.one_token_s, sampled).speedup
+            sampled = trace.sampled_at(sampling.temperature, sampling.top_p, sampling.top_k)
+        predicted = predict(trace, settings, curve, curve.one_token_s, sampled).speedup
     seconds = priced_seconds(sdsat.steps, curve, config.k)
     implied = len(sdsat.token_ids) * curve.one_token_s / seconds if sdsat.token_ids and seconds > 0 else None
     fastest, fastest_s = tuning.baseline
     estimated = fastest_s < curve.one_token_s
     vs_fastest = achieved * fastest_s / curve.one_token_s if estimated else achieved
     plan = tuning.plan_for(("two_step",), not sampling.do_sample, sampling.temperature, sampling.top_p,
-                           sampling.top_k)
+                           sampling.top_k, chat)
     auto = {"plan": plan.to_dict() if plan else None, "note": tuning.note,
             "used": plan is not None and asdict(plan.settings) == asdict(settings)}
     decoding = tuning.names.get(dtype, dtype)

@@ -196,7 +196,7 @@ def make_record(engine: Engine, request: RunRequest, prompt_ids: list[int], snap
         vanilla=vanilla, sdsat=sdsat, pieces={m: list(snap.pieces[m]) for m in PHASES}, vocab=vocab,
         special_ids=special, hardware=hardware_line(engine),
         time_limited=any(r.stop_reason == "cancelled" for r in (vanilla, sdsat)), measuring=measuring)
-    record.costs = race_costs(engine, request.config, sdsat, record.speedup)
+    record.costs = race_costs(engine, request.config, sdsat, record.speedup, chat=request.chat)
     return record
 
 
