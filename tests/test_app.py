@@ -522,13 +522,14 @@ def test_auto_is_the_default_scheme_and_takes_the_machines_plan(page, tuned_engi
     # Switching to sampling under auto: the plan for the page's sampling settings, a tree if it chose one.
     _, k, lookup, tree = page.mode_controls("sampling", DEFAULT_SCHEME, DEFAULT_MODEL)
     assert (k, lookup, tree) == _values(sampled.settings)
-    # The Chat tab's auto decodes with the same plan.
+    # The Chat tab's auto decodes with chat's plan (the code plan where the SATs ship no chat trace).
     from sdsat.ui.chat import Chat
 
     *_, (_, turns, _) = Chat(page.limits, page.cache).respond("Hi.", [], DEFAULT_MODEL, DEFAULT_SCHEME, "greedy",
                                                               1.0, 4)
     config = turns[0].request.config
-    assert (config.k, config.lookup_tokens, config.tree_candidates) == _values(greedy.settings)
+    chat_plan = measured.plan_for(("two_step",), chat=True)
+    assert (config.k, config.lookup_tokens, config.tree_candidates) == _values(chat_plan.settings)
 
 
 def _with_faster_bfloat16(measured: tuning.Tuning) -> tuning.Tuning:
