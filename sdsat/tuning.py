@@ -89,7 +89,7 @@ class Tuning:
         the SATs ship one (chat drafts are right less often than code's, and its text repeats itself less)."""
         if self.plan is None or self.trace is None:
             return None
-        trace = self.chat_trace if chat and self.chat_trace is not None else self.trace
+        trace = self.trace_for(chat)
         if greedy and self.plan.settings.scheme in schemes and trace is self.trace:
             return self.plan
         sampled = None if greedy else trace.sampled_at(temperature, top_p, top_k)
@@ -99,6 +99,10 @@ class Tuning:
                                       usable={self.plan.dtype}, schemes=schemes, baseline=self.baseline,
                                       names=self.names, temperature=temperature, top_p=top_p, top_k=top_k)
         return self._plans[key]
+
+    def trace_for(self, chat: bool = False) -> Trace | None:
+        """The trace a request is planned over: chat's where `chat` and the SATs ship one, else the code trace."""
+        return self.chat_trace if chat and self.chat_trace is not None else self.trace
 
     @property
     def names(self) -> dict[str, str]:
@@ -159,7 +163,7 @@ def set_precision(sat_model, precision: str, kernels: bool = True, form: str = R
     model.to(dtype)
     _put_buffers(model, buffers)
     if on_cpu:
-        weight_memory.gather(model)  # one block, in the order a pass reads it
+        weight_memory.gather(model)  # one block of memory, on huge pages where granted
     if sat_model.adapter is not None:  # on a CPU in float32: its small products are far slower in bfloat16
         sat_model.adapter.to(torch.float32 if on_cpu else dtype)
     invariant = form in EXACT_FORMS and on_cpu

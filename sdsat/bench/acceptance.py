@@ -150,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts = file_prompts(args.prompts) if args.prompts else humaneval_prompts(args.subset)
     except ValueError as err:  # PromptFileError among them
         parser.error(str(err))
+    chat_only = bool(args.prompts) and all(p.kind == "chat" for p in prompts)
+    if args.prompts and not chat_only and not args.out:  # before the model loads
+        parser.error("--out is needed for prompts that are not all chat: the default traces are HumanEval's and chat's")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = Engine.load(LoadConfig(model=args.model or DEFAULT_MODEL))
     if engine.sat_model.spec.adapter is None and not args.out:
         parser.error("--out is needed for a model whose SATs are not an adapter folder")
-    chat_only = bool(args.prompts) and all(p.kind == "chat" for p in prompts)
-    if args.prompts and not chat_only and not args.out:
-        parser.error("--out is needed for prompts that are not all chat: the default traces are HumanEval's and chat's")
     out = Path(args.out or Path(engine.sat_model.spec.adapter) / (CHAT_TRACE_FILE if chat_only else TRACE_FILE))
     depth = engine.max_k
     which, flag = (args.prompts, f"--prompts {args.prompts}") if args.prompts else (

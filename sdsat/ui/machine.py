@@ -181,7 +181,7 @@ def race_costs(engine: Engine, config: DecodeConfig, sdsat: GenerationResult, ac
         return None  # not measured in the numerics this race ran in
     settings = Settings(config.scheme, config.k, config.lookup_tokens, config.tree_candidates)
     sampling, predicted = config.sampling, None
-    trace = tuning.chat_trace if chat and tuning.chat_trace is not None else tuning.trace
+    trace = tuning.trace_for(chat)
     if trace is not None and trace.prompts:
         sampled = None
         if sampling.do_sample:
