@@ -11,7 +11,8 @@ that), prev:
 
 P(c | prev) is a bigram table counted over code and prose on the machine, n(prev, c) how often prev was
 followed by c earlier in this text (the prompt and what was decoded), n(prev2, prev, c) how often the two
-tokens before the draft were; each term is optional. The shipped
+tokens before the draft were; each term is optional. A combiner may add g_j(terms of c): a small MLP over a
+candidate's terms (and its score's distance from the best), so that they may weigh each other. The shipped
 head has the three table terms and an MLP of width 256 trained beside them once they had converged (its record,
 sampler_head_record.json, says how). u_j shifts h_j,
 so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per
@@ -29,7 +30,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -37,7 +38,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 HEAD_CONFIG_FILE = "sampler_head.json"
+COMBINED_TERMS = 6  # what the combiner reads per candidate (`SamplerHead.combine`)
 HEAD_WEIGHTS_FILE = "sampler_head.safetensors"
+
+
+class Terms(NamedTuple):
+    """A candidate's terms before the text's counts, each (N, K) float32: the SAT's logit z, the bigram table's
+    log P(c | prev) (0 without one), and the MLP's u . E_out[c] (None without one)."""
+
+    z: torch.Tensor
+    pair: torch.Tensor
+    mlp: torch.Tensor | None
 
 
 @dataclass
@@ -54,6 +65,7 @@ class HeadConfig:
     vocab_size: int = 0  # V of the bigram table (0: no bigram term)
     context: bool = False  # also v_j log(1 + how often prev was followed by c earlier in this text)
     context3: bool = False  # also x_j log(1 + how often the two tokens before the draft were followed by c earlier)
+    combiner: int = 0  # hidden units of a small MLP over each candidate's terms, added to its score (0: none)
 
 
 class SamplerHead(nn.Module):
@@ -65,7 +77,7 @@ class SamplerHead(nn.Module):
     P(c | prev) comes from a bigram table counted over text on the machine (`bigram_keys` prev * V + c, sorted,
     their counts, and each prev's total), read at the K candidates only; n(prev, c) from the text itself
     (`seen_after`), n(prev2, prev, c) likewise for the two tokens before the draft; w_j, v_j and x_j are learned
-    per SAT position.
+    per SAT position. With a combiner, g = MLP(the candidate's terms, its score less the best one's; j) is added.
     """
 
     def __init__(self, config: HeadConfig):
@@ -88,6 +100,13 @@ class SamplerHead(nn.Module):
             with torch.no_grad():  # u = 0 at the start
                 self.out.weight.zero_()
                 self.out.bias.zero_()
+        if config.combiner:
+            self.combine_in = nn.Linear(COMBINED_TERMS, config.combiner)
+            self.combine_position = nn.Parameter(torch.zeros(config.num_sats, config.combiner))
+            self.combine_out = nn.Linear(config.combiner, 1)
+            with torch.no_grad():  # g = 0 at the start
+                self.combine_out.weight.zero_()
+                self.combine_out.bias.zero_()
 
     def set_bigrams(self, table: dict[str, torch.Tensor]) -> None:
         """Take a bigram table (`sdsat.train.head.count_bigrams`)."""
@@ -129,68 +148,78 @@ class SamplerHead(nn.Module):
             seen: (N, K) how often prev was followed by each candidate earlier in the text (`seen_after`); needed
                 when the head reads the context. seen3: the same for the two tokens before the draft (order 3).
         """
-        scores, u = self.text_free_scores(h, prev, slot, cand, cand_logits, embed_in, embed_out)
-        return self.with_context(scores, slot, seen, seen3), u
+        terms, u = self.text_free_terms(h, prev, slot, cand, cand_logits, embed_in, embed_out)
+        return self.combine(terms, slot, seen, seen3), u
 
-    def text_free_scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
-                         cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`scores` without the text's own counts: z + w_j log P(c | prev) + u . E_out[c], and u."""
+    def text_free_terms(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
+                        cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor
+                        ) -> tuple[Terms, torch.Tensor]:
+        """The terms of `scores` that do not read the text's own counts (each (N, K) float32), and u."""
         slot = slot.clamp(max=self.config.num_sats - 1)  # later SATs than trained share the last position's weights
         dtype = self.pair_weight.dtype
         u = self.correction(h.to(dtype), embed_in[prev].to(dtype), slot)
-        scores = cand_logits.float() + self.pair_weight[slot, None].float() * self.pair_logp(prev, cand)
-        if self.config.width:
-            scores = scores + torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float())
-        return scores, u
+        mlp = torch.einsum("nkh,nh->nk", embed_out[cand].float(), u.float()) if self.config.width else None
+        return Terms(cand_logits.float(), self.pair_logp(prev, cand), mlp), u
+
+    def combine(self, terms: Terms, slot: torch.Tensor, seen: torch.Tensor | None,
+                seen3: torch.Tensor | None) -> torch.Tensor:
+        """The candidates' scores from their terms and the text's counts of pairs (`seen`) and triples (`seen3`),
+        where read: z + w_j log P(c | prev) + u . E_out[c] + v_j log(1 + n) + x_j log(1 + n3) (+ the combiner's g)."""
+        slot = slot.clamp(max=self.config.num_sats - 1)
+        scores = terms.z + self.pair_weight[slot, None].float() * terms.pair
+        if terms.mlp is not None:
+            scores = scores + terms.mlp
+        counts = []
+        for on, name, weight, value in ((self.config.context, "seen", self.context_weight, seen),
+                                        (self.config.context3, "seen3", self.context3_weight, seen3)):
+            if not on:
+                counts.append(torch.zeros_like(scores))
+                continue
+            if value is None:
+                raise ValueError(f"this sampler head reads the context: pass `{name}` (seen_after)")
+            counts.append(torch.log1p(value.float()))
+            scores = scores + weight[slot, None].float() * counts[-1]
+        if not self.config.combiner:
+            return scores
+        mlp = terms.mlp if terms.mlp is not None else torch.zeros_like(scores)
+        features = torch.stack([terms.z - terms.z.max(-1, keepdim=True).values, terms.pair, *counts, mlp,
+                                scores - scores.max(-1, keepdim=True).values], -1)  # (N, K, COMBINED_TERMS)
+        hidden = nn.functional.gelu(self.combine_in(features) + self.combine_position[slot][:, None])
+        return scores + self.combine_out(hidden)[..., 0]
 
     @torch.no_grad()
     def drafting(self, hidden: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, t: int,
-                 embed_in: torch.Tensor, embed_out: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
-        """`text_free_scores` for a draft pass's k rows drafted in turn (in eval mode: no dropout): what does not
+                 embed_in: torch.Tensor, embed_out: torch.Tensor) -> Callable[[int, int], Terms]:
+        """`text_free_terms` for a draft pass's k rows drafted in turn (in eval mode: no dropout): what does not
         depend on the token before a draft is computed here for every row at once (and the bigram term for every
         token a row may follow: t, or one of the row before's K candidates); the returned step(j, i) gives row j's
-        (1, K) scores after t (j = 0) or after candidate i of row j - 1, equal to `text_free_scores` up to rounding."""
+        (1, K) terms after t (j = 0) or after candidate i of row j - 1, equal to `text_free_terms` up to rounding."""
         k, top, device = *cand.shape, cand.device  # top: K
-        slot = torch.arange(k, device=device).clamp(max=self.config.num_sats - 1)
         prevs = torch.cat([torch.tensor([t], device=device), cand[:-1].reshape(-1)])  # (1 + (k - 1) K,)
         rows = torch.arange(k, device=device).repeat_interleave(torch.tensor([1] + [top] * (k - 1), device=device))
-        prior = cand_logits[rows] + self.pair_weight[slot][rows, None].float() * self.pair_logp(prevs, cand[rows])
+        z, pair = cand_logits.float(), self.pair_logp(prevs, cand[rows])
 
         def option(j: int, i: int) -> int:
             return 0 if j == 0 else 1 + (j - 1) * top + i
 
         if not self.config.width:
-            return lambda j, i: prior[option(j, i)][None]
+            return lambda j, i: Terms(z[j][None], pair[option(j, i)][None], None)
         dtype, hidden_size = self.pair_weight.dtype, hidden.shape[-1]
+        slot = torch.arange(k, device=device).clamp(max=self.config.num_sats - 1)
         from_h = (self.norm_h(hidden.to(dtype)) @ self.inp.weight[:, :hidden_size].T + self.inp.bias
                   + self.position[slot])  # (k, MLP width): the first layer's part from the SAT's state
         w_prev = self.inp.weight[:, hidden_size:]
         cand_out = embed_out[cand].float()  # (k, K, H)
         prev_ids = prevs.tolist()
 
-        def step(j: int, i: int) -> torch.Tensor:
+        def step(j: int, i: int) -> Terms:
             at = option(j, i)
             x = nn.functional.gelu(from_h[j] + self.norm_prev(embed_in[prev_ids[at]].to(dtype)) @ w_prev.T)
             for layer in self.layers:
                 x = nn.functional.gelu(layer(x))
-            return prior[at][None] + (cand_out[j] @ self.out(x).float())[None]
+            return Terms(z[j][None], pair[at][None], (cand_out[j] @ self.out(x).float())[None])
 
         return step
-
-    def with_context(self, scores: torch.Tensor, slot: torch.Tensor, seen: torch.Tensor | None,
-                     seen3: torch.Tensor | None) -> torch.Tensor:
-        """`text_free_scores`' scores plus the text's counts of pairs (`seen`) and triples (`seen3`), where read."""
-        slot = slot.clamp(max=self.config.num_sats - 1)
-        if self.config.context:
-            if seen is None:
-                raise ValueError("this sampler head reads the context: pass `seen` (seen_after)")
-            scores = scores + self.context_weight[slot, None].float() * torch.log1p(seen.float())
-        if self.config.context3:
-            if seen3 is None:
-                raise ValueError("this sampler head reads the context's triples: pass `seen3` (seen_after, order 3)")
-            scores = scores + self.context3_weight[slot, None].float() * torch.log1p(seen3.float())
-        return scores
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
@@ -326,10 +355,10 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
     q = torch.zeros(logits.shape, device=device)
     candidates, drafts, prev = cand.tolist(), [], 0  # prev: t (0), else the index of the draft before among its K
     for j in range(k):
-        scores = step(j, prev)
+        seen = seen3 = None
         if reads_text:
             seen, seen3 = (torch.tensor([c], device=device) for c in counts.after_last(candidates[j]))
-            scores = head.with_context(scores, torch.tensor([j], device=device), seen, seen3)
+        scores = head.combine(step(j, prev), torch.tensor([j], device=device), seen, seen3)
         q_cand = warp(scores)  # (1, K)
         prev = int(draw(q_cand)[0])
         drafts.append(candidates[j][prev])

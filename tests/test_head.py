@@ -29,8 +29,9 @@ VOCAB = 8
 POSITIONS = 4
 
 
-def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0) -> SatModel:
-    """The sampling tests' tiny model and adapter, with a random head (K of the 8 tokens) when `head`."""
+def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0, combiner: int = 0) -> SatModel:
+    """The sampling tests' tiny model and adapter, with a random head (K of the 8 tokens) when `head`, and a random
+    combiner of its terms of that many units."""
     model = make_tiny_llama(vocab_size=VOCAB, layers=1, seed=0)
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
@@ -45,9 +46,12 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0) -> SatModel:
     if head:
         torch.manual_seed(seed)
         sat_model.sampler = SamplerHead(HeadConfig(base_model="tiny", hidden_size=model.config.hidden_size,
-                                                   num_sats=4, width=16, candidates=candidates))
+                                                   num_sats=4, width=16, candidates=candidates,
+                                                   combiner=combiner))
         with torch.no_grad():  # a head that really moves q, by the token before each draft
             sat_model.sampler.out.weight.normal_(0, 0.5)
+            if combiner:
+                sat_model.sampler.combine_out.weight.normal_(0, 1.0)
             sat_model.sampler.pair_weight.fill_(0.5)
             sat_model.sampler.context_weight.fill_(1.0)
             sat_model.sampler.context3_weight.fill_(0.7)
@@ -137,12 +141,13 @@ def test_q_is_the_distribution_each_draft_was_drawn_from(settings):
             assert int(drafts[j]) == int(row[0].argmax())
 
 
-@pytest.mark.parametrize("mlp,context,k", [(False, True, 3), (True, False, 3), (False, False, 1), (True, True, 1)])
-def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k):
+@pytest.mark.parametrize("mlp,context,k,combiner", [(False, True, 3, 0), (True, False, 3, 0), (False, False, 1, 0),
+                                                    (True, True, 1, 0), (True, True, 3, 8), (False, False, 3, 8)])
+def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, combiner):
     """head_drafts scores a pass's rows with what they share computed once (SamplerHead.drafting, TextCounts): with
-    or without the MLP and the text's counts, k of 1 or 3, each row's q equals the head's own logits for that row,
-    given the drafts before it, warped (sampled at T 1.3, so every candidate keeps mass)."""
-    sat_model = tiny_sat_model(head=True)
+    or without the MLP, the text's counts and the combiner, k of 1 or 3, each row's q equals the head's own logits
+    for that row, given the drafts before it, warped (sampled at T 1.3, so every candidate keeps mass)."""
+    sat_model = tiny_sat_model(head=True, combiner=combiner)
     head = sat_model.sampler
     head.config.context = head.config.context3 = context
     if not mlp:
@@ -168,13 +173,14 @@ def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k):
             assert q[j, drafts[j]] > 0
 
 
-@pytest.mark.parametrize("name,k,extra,settings", [
-    ("chain-t1.3-k3", 3, 0, dict(temperature=1.3)),
-    ("chain-t0.7-topp0.9-k2", 2, 0, dict(temperature=0.7, top_p=0.9)),
-    ("tree-t1-k2", 2, 3, dict(temperature=1.0)),
+@pytest.mark.parametrize("name,k,extra,settings,combiner", [
+    ("chain-t1.3-k3", 3, 0, dict(temperature=1.3), 0),
+    ("chain-t0.7-topp0.9-k2", 2, 0, dict(temperature=0.7, top_p=0.9), 0),
+    ("tree-t1-k2", 2, 3, dict(temperature=1.0), 0),
+    ("chain-t1.3-k3-combiner", 3, 0, dict(temperature=1.3), 8),
 ])
-def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings):
-    p = p_values(tiny_sat_model(head=True), k, settings, extra)
+def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings, combiner):
+    p = p_values(tiny_sat_model(head=True, combiner=combiner), k, settings, extra)
     assert min(p) > ALPHA, p
 
 
@@ -269,11 +275,13 @@ def test_a_head_saved_before_the_context_terms_loads_with_them_off(tmp_path):
     assert torch.equal(loaded.pair_weight, head.pair_weight)
 
 
-def test_save_and_load_round_trip(tmp_path):
-    head = tiny_sat_model(head=True).sampler
+@pytest.mark.parametrize("combiner", [0, 8])
+def test_save_and_load_round_trip(tmp_path, combiner):
+    head = tiny_sat_model(head=True, combiner=combiner).sampler
     head.save(tmp_path)
     loaded = head_beside(tmp_path)
     assert loaded.config == head.config
+    assert len(loaded.state_dict()) == len(head.state_dict())
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert head_beside(tmp_path / "missing") is None
@@ -380,6 +388,14 @@ def test_a_run_started_from_a_head_scores_as_that_head_before_its_first_step(tmp
     a, _ = fresh.scores(h, prev, slot, cand, z, embed, embed, seen, seen)
     b, _ = trained.scores(h, prev, slot, cand, z, embed, embed, seen, seen)
     assert torch.equal(a, b)
+    # the tables' weights are per SAT position, so a head of more candidates (and a combiner) may start from them
+    wider = SamplerHead(HeadConfig(base_model="tiny", hidden_size=32, num_sats=3, width=16, candidates=16,
+                                   context=True, context3=True, combiner=8))
+    _start_from(wider, trained)
+    assert torch.equal(wider.context3_weight, trained.context3_weight)
+    cand16, z16, seen16 = (torch.cat([x, x], -1) for x in (cand, z, seen))
+    a, _ = wider.scores(h, prev, slot, cand16, z16, embed, embed, seen16, seen16)
+    assert torch.allclose(a, torch.cat([b, b], -1))  # the combiner starts at 0: the tables' scores
 
 
 def test_the_mlps_dropout_acts_in_training_only(tmp_path):

@@ -62,6 +62,7 @@ class HeadTrainConfig:
     depth: int = 1  # head: hidden layers (2: the two-layer variant)
     dropout: float = 0.0  # head: dropout of the MLP's hidden units while training
     candidates: int = 16  # head: K, top candidates rescored (at most STORED_CANDIDATES)
+    combiner: int = 0  # head: hidden units of the per-candidate combiner of its terms (0: none)
     steps: int = 1500  # optimizer steps
     batch_size: int = 1024  # SAT rows per step
     lr: float = 2e-3  # peak learning rate (AdamW), cosine to 0 after `warmup`
@@ -281,7 +282,7 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
     start_head = SamplerHead.load(config.init_from) if config.init_from else None
     head = SamplerHead(HeadConfig(base_model=base_model, hidden_size=hidden, num_sats=config.slots,
                                   width=config.width, depth=config.depth, dropout=config.dropout,
-                                  candidates=config.candidates,
+                                  candidates=config.candidates, combiner=config.combiner,
                                   vocab_size=len(embed_out) if config.bigrams or (
                                       start_head and start_head.config.vocab_size) else 0,
                                   context=config.context, context3=config.context3))
@@ -354,11 +355,10 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
 def _start_from(head: SamplerHead, start: SamplerHead) -> None:
     """Give `head` the table weights and bigram table of a trained head of the same table terms and K."""
     mine, theirs = head.config, start.config
-    for name in ("hidden_size", "num_sats", "candidates", "vocab_size", "context", "context3"):
-        if getattr(mine, name) != getattr(theirs, name):
+    for name in ("hidden_size", "num_sats", "vocab_size", "context", "context3"):  # K may differ: the weights
+        if getattr(mine, name) != getattr(theirs, name):                           # are per SAT position
             raise ValueError(f"init_from: the head there has {name} {getattr(theirs, name)}, this run "
-                             f"{getattr(mine, name)}; give the run the same (--slots, --candidates, --context, "
-                             "--context3)")
+                             f"{getattr(mine, name)}; give the run the same (--slots, --context, --context3)")
     if theirs.width:
         raise ValueError("init_from: start from a head of table terms alone (width 0)")
     if theirs.vocab_size:
