@@ -13,8 +13,8 @@ P(c | prev) is a bigram table counted over code and prose on the machine, n(prev
 followed by c earlier in this text (the prompt and what was decoded), n(prev2, prev, c) how often the two
 tokens before the draft were; each term is optional. A combiner may add g_j(terms of c): a small MLP over a
 candidate's terms (and its score's distance from the best), so that they may weigh each other. The shipped
-head has the three table terms and an MLP of width 256 trained beside them once they had converged (its record,
-sampler_head_record.json, says how). u_j shifts h_j,
+head rescores 32 candidates with the three table terms, an MLP of width 256 trained beside them once they had
+converged, and a combiner (its record, sampler_head_record.json, says how). u_j shifts h_j,
 so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per
 draft, sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
 distribution q_j is the head's exact one: the sampler's warpers and softmax over its K candidates (its logits
@@ -176,7 +176,8 @@ class SamplerHead(nn.Module):
                 counts.append(torch.zeros_like(scores))
                 continue
             if value is None:
-                raise ValueError(f"this sampler head reads the context: pass `{name}` (seen_after)")
+                order = ", order 3" if name == "seen3" else ""
+                raise ValueError(f"this sampler head reads the context: pass `{name}` (seen_after{order})")
             counts.append(torch.log1p(value.float()))
             scores = scores + weight[slot, None].float() * counts[-1]
         if not self.config.combiner:
@@ -184,8 +185,9 @@ class SamplerHead(nn.Module):
         mlp = terms.mlp if terms.mlp is not None else torch.zeros_like(scores)
         features = torch.stack([terms.z - terms.z.max(-1, keepdim=True).values, terms.pair, *counts, mlp,
                                 scores - scores.max(-1, keepdim=True).values], -1)  # (N, K, COMBINED_TERMS)
-        hidden = nn.functional.gelu(self.combine_in(features) + self.combine_position[slot][:, None])
-        return scores + self.combine_out(hidden)[..., 0]
+        dtype = self.combine_in.weight.dtype
+        hidden = nn.functional.gelu(self.combine_in(features.to(dtype)) + self.combine_position[slot][:, None])
+        return scores + self.combine_out(hidden)[..., 0].float()
 
     @torch.no_grad()
     def drafting(self, hidden: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, t: int,

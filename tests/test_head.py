@@ -275,6 +275,28 @@ def test_a_head_saved_before_the_context_terms_loads_with_them_off(tmp_path):
     assert torch.equal(loaded.pair_weight, head.pair_weight)
 
 
+def test_the_combiner_adds_its_mlp_of_each_candidates_terms():
+    """g = combine_out(gelu(combine_in(terms) + position)) over [z - max z, pair, log1p counts, mlp, score - max], added
+    to the score the terms give alone."""
+    head = tiny_sat_model(head=True, combiner=8).sampler
+    gen = torch.Generator().manual_seed(7)
+    n, k, hidden = 3, 5, head.config.hidden_size
+    h, embed = torch.randn(n, hidden, generator=gen), torch.randn(VOCAB, hidden, generator=gen)
+    prev, slot, cand = torch.tensor([1, 4, 6]), torch.tensor([0, 1, 3]), torch.randint(0, VOCAB, (n, k), generator=gen)
+    z, seen, seen3 = torch.randn(n, k, generator=gen), torch.randint(0, 4, (n, k)), torch.randint(0, 3, (n, k))
+    with torch.no_grad():
+        scores, _ = head.scores(h, prev, slot, cand, z, embed, embed, seen, seen3)
+        terms, _ = head.text_free_terms(h, prev, slot, cand, z, embed, embed)
+        head.config.combiner = 0
+        alone = head.combine(terms, slot, seen, seen3)
+        head.config.combiner = 8
+        features = torch.stack([z - z.max(-1, keepdim=True).values, terms.pair, torch.log1p(seen.float()),
+                                torch.log1p(seen3.float()), terms.mlp, alone - alone.max(-1, keepdim=True).values], -1)
+        g = head.combine_out(torch.nn.functional.gelu(head.combine_in(features) + head.combine_position[slot][:, None]))
+    assert not torch.allclose(scores, alone)
+    assert torch.allclose(scores, alone + g[..., 0], atol=1e-6)
+
+
 @pytest.mark.parametrize("combiner", [0, 8])
 def test_save_and_load_round_trip(tmp_path, combiner):
     head = tiny_sat_model(head=True, combiner=combiner).sampler

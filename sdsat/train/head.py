@@ -353,7 +353,7 @@ def train(config: HeadTrainConfig, embed_in: torch.Tensor, embed_out: torch.Tens
 
 
 def _start_from(head: SamplerHead, start: SamplerHead) -> None:
-    """Give `head` the table weights and bigram table of a trained head of the same table terms and K."""
+    """Give `head` the table weights and bigram table of a trained head of the same table terms (K may differ)."""
     mine, theirs = head.config, start.config
     for name in ("hidden_size", "num_sats", "vocab_size", "context", "context3"):  # K may differ: the weights
         if getattr(mine, name) != getattr(theirs, name):                           # are per SAT position
