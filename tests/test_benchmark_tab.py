@@ -19,7 +19,8 @@ BENCH = ROOT / "assets" / "bench"
 ADAPTER_SINCE = {"stage 1": "2026-11-30T06:00", "stage 2": "2026-12-01T21:00", "stage 3": "2026-12-02T00:30",
                  "stage 4": "2026-12-02T04:00", "stage 4 + head": "2026-12-04T04:00",
                  "stage 4 + head (2000 steps)": "2026-12-04T21:00", "stage 4 + head (MLP)": "2026-12-05T00:30",
-                 "stage 4 + head (MLP, varied chat)": "2026-12-05T03:45"}
+                 "stage 4 + head (MLP, varied chat)": "2026-12-05T03:45",
+                 "stage 4 + head (K 32, combiner)": "2026-12-05T12:10"}
 
 
 def write_suite(folder: Path, rows: list[dict], **notes) -> None:
