@@ -119,9 +119,13 @@ class SamplerHead(nn.Module):
         if not self.config.vocab_size or not len(self.bigram_keys):
             return torch.zeros(cand.shape, device=cand.device)
         keys = prev[:, None].long() * self.config.vocab_size + cand.long()
-        at = torch.searchsorted(self.bigram_keys, keys).clamp(max=len(self.bigram_keys) - 1)
-        count = torch.where(self.bigram_keys[at] == keys, self.bigram_counts[at], torch.zeros((), device=cand.device))
-        return torch.log((count + 0.1) / (self.prev_counts[prev.long()][:, None] + 0.1 * cand.shape[-1]))
+        at = torch.searchsorted(self.bigram_keys, keys).clamp_(max=len(self.bigram_keys) - 1).view(-1)
+        # index_select rather than indexing: a draft pass reads a few thousand entries, where indexing's setup costs
+        # several times the read
+        found = self.bigram_keys.index_select(0, at).view(keys.shape) == keys
+        count = torch.where(found, self.bigram_counts.index_select(0, at).view(keys.shape), 0.0)
+        total = self.prev_counts.index_select(0, prev.long())[:, None]
+        return torch.log((count + 0.1) / (total + 0.1 * cand.shape[-1]))
 
     def correction(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """h (N, H) SAT hidden states, prev (N, H) input embeddings of the tokens before, slot (N,) j - 1
@@ -191,37 +195,79 @@ class SamplerHead(nn.Module):
 
     @torch.no_grad()
     def drafting(self, hidden: torch.Tensor, cand: torch.Tensor, cand_logits: torch.Tensor, t: int,
-                 embed_in: torch.Tensor, embed_out: torch.Tensor) -> Callable[[int, int], Terms]:
-        """`text_free_terms` for a draft pass's k rows drafted in turn (in eval mode: no dropout): what does not
-        depend on the token before a draft is computed here for every row at once (and the bigram term for every
-        token a row may follow: t, or one of the row before's K candidates); the returned step(j, i) gives row j's
-        (1, K) terms after t (j = 0) or after candidate i of row j - 1, equal to `text_free_terms` up to rounding."""
+                 embed_in: torch.Tensor, embed_out: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """`scores` for a draft pass's k rows drafted in turn (in eval mode: no dropout). What does not depend on
+        the token before a draft is computed here for every row at once, and the bigram term for every token a row
+        may follow (t, or one of the row before's K candidates); the returned score(j, i, seen, seen3) gives row
+        j's (1, K) scores after t (j = 0) or after candidate i of row j - 1, given the text's counts at that point
+        (lists of K, `TextCounts.after_last`; None where the head does not read them), equal to `scores` up to
+        rounding. A draft pass calls it once per draft, in sequence, so its ops are few: each costs about as much
+        to set up as to run at this size (docs/results.md, "The sampler head's share of a draft pass")."""
         k, top, device = *cand.shape, cand.device  # top: K
+        config, slots = self.config, [min(j, self.config.num_sats - 1) for j in range(k)]
+        rows = torch.tensor([0] + [j for j in range(1, k) for _ in range(top)], device=device)  # each option's row
         prevs = torch.cat([torch.tensor([t], device=device), cand[:-1].reshape(-1)])  # (1 + (k - 1) K,)
-        rows = torch.arange(k, device=device).repeat_interleave(torch.tensor([1] + [top] * (k - 1), device=device))
-        z, pair = cand_logits.float(), self.pair_logp(prevs, cand[rows])
-
-        def option(j: int, i: int) -> int:
-            return 0 if j == 0 else 1 + (j - 1) * top + i
-
-        if not self.config.width:
-            return lambda j, i: Terms(z[j][None], pair[option(j, i)][None], None)
-        dtype, hidden_size = self.pair_weight.dtype, hidden.shape[-1]
-        slot = torch.arange(k, device=device).clamp(max=self.config.num_sats - 1)
-        from_h = (self.norm_h(hidden.to(dtype)) @ self.inp.weight[:, :hidden_size].T + self.inp.bias
-                  + self.position[slot])  # (k, MLP width): the first layer's part from the SAT's state
-        w_prev = self.inp.weight[:, hidden_size:]
-        cand_out = embed_out[cand].float()  # (k, K, H)
+        z = cand_logits.float()  # (k, K)
+        pair = self.pair_logp(prevs, cand.index_select(0, rows))  # (options, K)
+        slot = torch.tensor(slots, device=device)
+        w = self.pair_weight.float().index_select(0, slot).index_select(0, rows)
+        base = torch.addcmul(z.index_select(0, rows), w[:, None], pair)  # z + w_j log P(c | prev)
+        reads = config.context or config.context3
+        count_weights = torch.stack([self.context_weight * config.context, self.context3_weight * config.context3],
+                                    -1).float().index_select(0, slot)  # (k, 2): v_j and x_j where read, else 0
+        if config.width:
+            dtype = self.pair_weight.dtype
+            inp_h, inp_prev = self._split_input()
+            from_h = torch.addmm(self.inp.bias + self.position.index_select(0, slot), self.norm_h(hidden.to(dtype)),
+                                 inp_h.T)  # (k, MLP width): the first layer's part from the SAT's state
+            cand_out = embed_out.index_select(0, cand.view(-1)).view(k, top, -1).float()  # (k, K, H)
+            norm = self.norm_prev
+        if config.combiner:
+            z_gap = z - z.max(-1, keepdim=True).values
+            combine_bias = self.combine_in.bias + self.combine_position.index_select(0, slot)  # (k, combiner width)
+            combine_in, combine_out = self.combine_in.weight.T, self.combine_out.weight[0]
+            no_counts = torch.zeros(2, top, device=device)
         prev_ids = prevs.tolist()
 
-        def step(j: int, i: int) -> Terms:
-            at = option(j, i)
-            x = nn.functional.gelu(from_h[j] + self.norm_prev(embed_in[prev_ids[at]].to(dtype)) @ w_prev.T)
-            for layer in self.layers:
-                x = nn.functional.gelu(layer(x))
-            return Terms(z[j][None], pair[at][None], (cand_out[j] @ self.out(x).float())[None])
+        def score(j: int, i: int, seen: list[int] | None = None, seen3: list[int] | None = None) -> torch.Tensor:
+            at = 0 if j == 0 else 1 + (j - 1) * top + i
+            scores = base[at]
+            if config.width:
+                x = nn.functional.layer_norm(embed_in[prev_ids[at]].to(dtype), norm.normalized_shape, norm.weight,
+                                             norm.bias, norm.eps)
+                x = nn.functional.gelu(torch.addmv(from_h[j], inp_prev, x))
+                for layer in self.layers:
+                    x = nn.functional.gelu(layer(x))
+                mlp = cand_out[j] @ torch.addmv(self.out.bias, self.out.weight, x).float()
+                scores = scores + mlp
+            if reads:
+                read = []
+                for on, name, value in ((config.context, "seen", seen), (config.context3, "seen3", seen3)):
+                    if on and value is None:
+                        raise ValueError(f"this sampler head reads the context: pass `{name}`")
+                    read.append(value if on else [0] * top)  # a term not read counts 0, as in `combine`
+                counts = torch.tensor(read, dtype=torch.float32, device=device).log1p_()  # (2, K)
+                scores = torch.addmv(scores, counts.T, count_weights[j])
+            if not config.combiner:
+                return scores[None]
+            counts = counts if reads else no_counts
+            features = torch.stack([z_gap[j], pair[at], counts[0], counts[1], mlp if config.width else no_counts[0],
+                                    scores - scores.max()], -1)  # (K, COMBINED_TERMS), as `combine` stacks them
+            hidden_units = nn.functional.gelu(torch.addmm(combine_bias[j], features.to(combine_in.dtype), combine_in))
+            return torch.addmv(scores + self.combine_out.bias.float(), hidden_units, combine_out).float()[None]
 
-        return step
+        return score
+
+    def _split_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP's first layer as its two parts (from the SAT's state, from the token before), each contiguous,
+        kept until the weight changes (trained, loaded or moved): a product with a strided half costs more."""
+        weight, hidden_size = self.inp.weight, self.config.hidden_size
+        stamp = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        kept = getattr(self, "_split_kept", None)
+        if kept is None or kept[0] != stamp:
+            kept = self._split_kept = (stamp, (weight[:, :hidden_size].detach().contiguous(),
+                                               weight[:, hidden_size:].detach().contiguous()))
+        return kept[1]
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, z: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor,
@@ -308,10 +354,10 @@ class TextCounts:
     def __init__(self, text: list[int], wanted: torch.Tensor):
         self.text = list(text)
         self.pairs, self.triples = Counter(), Counter()
-        if len(self.text) > 1:
-            tokens = torch.tensor(self.text)
-            for i in torch.isin(tokens[1:], wanted.flatten().cpu()).nonzero()[:, 0].tolist():  # pairs (i, i + 1)
-                self._count(i + 1)
+        wanted = set(wanted.flatten().tolist())  # a draft pass's few hundred tokens: Python's loop beats tensors' setup
+        for end in range(1, len(self.text)):
+            if self.text[end] in wanted:
+                self._count(end)
 
     def _count(self, end: int) -> None:
         text = self.text
@@ -351,16 +397,13 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
     cand_logits, cand = logits.topk(head.config.candidates, dim=-1)  # (k, K) each
     cand, order = cand.sort(dim=-1)  # token order, as `candidates`
     cand_logits = cand_logits.gather(-1, order).float()
-    step = head.drafting(hidden, cand, cand_logits, t, embed_in, embed_out)
+    score = head.drafting(hidden, cand, cand_logits, t, embed_in, embed_out)
     reads_text = head.config.context or head.config.context3
     counts = TextCounts(list(history) + [t], cand) if reads_text else None
     q = torch.zeros(logits.shape, device=device)
     candidates, drafts, prev = cand.tolist(), [], 0  # prev: t (0), else the index of the draft before among its K
     for j in range(k):
-        seen = seen3 = None
-        if reads_text:
-            seen, seen3 = (torch.tensor([c], device=device) for c in counts.after_last(candidates[j]))
-        scores = head.combine(step(j, prev), torch.tensor([j], device=device), seen, seen3)
+        scores = score(j, prev, *(counts.after_last(candidates[j]) if reads_text else ()))
         q_cand = warp(scores)  # (1, K)
         prev = int(draw(q_cand)[0])
         drafts.append(candidates[j][prev])

@@ -142,20 +142,22 @@ def test_q_is_the_distribution_each_draft_was_drawn_from(settings):
 
 
 @pytest.mark.parametrize("mlp,context,k,combiner", [(False, True, 3, 0), (True, False, 3, 0), (False, False, 1, 0),
-                                                    (True, True, 1, 0), (True, True, 3, 8), (False, False, 3, 8)])
+                                                    (True, True, 1, 0), (True, True, 3, 8), (False, False, 3, 8),
+                                                    (True, "pairs", 3, 8)])
 def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, combiner):
     """head_drafts scores a pass's rows with what they share computed once (SamplerHead.drafting, TextCounts): with
-    or without the MLP, the text's counts and the combiner, k of 1 or 3, each row's q equals the head's own logits
-    for that row, given the drafts before it, warped (sampled at T 1.3, so every candidate keeps mass)."""
+    or without the MLP, the text's counts (pairs and triples, or pairs alone) and the combiner, k of 1 or 3, each
+    row's q equals the head's own logits for that row, given the drafts before it, warped (sampled at T 1.3, so
+    every candidate keeps mass)."""
     sat_model = tiny_sat_model(head=True, combiner=combiner)
     head = sat_model.sampler
-    head.config.context = head.config.context3 = context
+    head.config.context, head.config.context3 = bool(context), context is True
     if not mlp:
         head.config.width = 0
     chooser = TokenChooser(SamplingConfig(do_sample=True, temperature=1.3, seed=2), sat_model.device)
     model = sat_model.model
     embed_in, embed_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    history = PROMPT + [2, 5, 2, 6, 2]
+    history = PROMPT + [6, 2, 3, 6, 2, 1, 6]  # after it, t = 2: pairs and triples seen before
     with torch.inference_mode():
         ids = torch.tensor([history + [0] * k])
         slots = torch.tensor([[-1] * len(history) + list(range(k))])
