@@ -220,7 +220,7 @@ class SamplerHead(nn.Module):
             inp_h, inp_prev = self._split_input()
             from_h = torch.addmm(self.inp.bias + self.position.index_select(0, slot), self.norm_h(hidden.to(dtype)),
                                  inp_h.T)  # (k, MLP width): the first layer's part from the SAT's state
-            cand_out = embed_out.index_select(0, cand.view(-1)).view(k, top, -1).float()  # (k, K, H)
+            cand_out = embed_out.index_select(0, cand.reshape(-1)).view(k, top, -1).float()  # (k, K, H)
             norm = self.norm_prev
         if config.combiner:
             z_gap = z - z.max(-1, keepdim=True).values
@@ -254,7 +254,7 @@ class SamplerHead(nn.Module):
             features = torch.stack([z_gap[j], pair[at], counts[0], counts[1], mlp if config.width else no_counts[0],
                                     scores - scores.max()], -1)  # (K, COMBINED_TERMS), as `combine` stacks them
             hidden_units = nn.functional.gelu(torch.addmm(combine_bias[j], features.to(combine_in.dtype), combine_in))
-            return torch.addmv(scores + self.combine_out.bias.float(), hidden_units, combine_out).float()[None]
+            return torch.addmv(scores + self.combine_out.bias.float(), hidden_units.float(), combine_out.float())[None]
 
         return score
 
@@ -262,7 +262,11 @@ class SamplerHead(nn.Module):
         """The MLP's first layer as its two parts (from the SAT's state, from the token before), each contiguous,
         kept until the weight changes (trained, loaded or moved): a product with a strided half costs more."""
         weight, hidden_size = self.inp.weight, self.config.hidden_size
-        stamp = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        try:
+            version = weight._version
+        except RuntimeError:  # made under inference_mode: such a tensor cannot change in place
+            version = None
+        stamp = (weight.data_ptr(), version, weight.dtype, weight.device)
         kept = getattr(self, "_split_kept", None)
         if kept is None or kept[0] != stamp:
             kept = self._split_kept = (stamp, (weight[:, :hidden_size].detach().contiguous(),
