@@ -213,8 +213,8 @@ class SamplerHead(nn.Module):
         w = self.pair_weight.float().index_select(0, slot).index_select(0, rows)
         base = torch.addcmul(z.index_select(0, rows), w[:, None], pair)  # z + w_j log P(c | prev)
         reads = config.context or config.context3
-        count_weights = torch.stack([self.context_weight * config.context, self.context3_weight * config.context3],
-                                    -1).float().index_select(0, slot)  # (k, 2): v_j and x_j where read, else 0
+        count_weights = torch.stack([self.context_weight, self.context3_weight], -1).float().index_select(0, slot)
+        # (k, 2): v_j and x_j; a term the head does not read gets counts of 0 below
         if config.width:
             dtype = self.pair_weight.dtype
             inp_h, inp_prev = self._split_input()
