@@ -318,10 +318,12 @@ def format_tuning(tuning) -> str:
         one = curve.one_token_s
         widths = " ".join(f"{w}:{curve.plain[w] / one:.2f}" for w in sorted(curve.plain) if w > 1)
         drafts = " ".join(f"{k}:{t / one:.2f}" for k, t in sorted(curve.draft.items()))
+        fused = " ".join(f"{k}:{t / one:.2f}" for k, t in sorted(curve.fused.items()))
         noisy = " (measured under load)" if tuning.noisy.get(precision) else ""
         lines += [f"{tuning.names[precision]}: {1e3 * one:.1f} ms per one-token pass{noisy}",
                   f"  plain block of N tokens, x one-token pass: {widths}",
                   f"  draft pass [t, SAT x k], x one-token pass: {drafts or '-'}",
+                  f"  fused pass at k, x one-token pass: {fused or '-'}",
                   f"  rows alone vs batched: {'bit-equal' if tuning.rows[precision].invariant else 'differ'} "
                   f"({tuning.rows[precision].rows} rows)"]
     lines += [f"{name}: {1e3 * s:.1f} ms per one-token pass (vanilla only)" for name, s in tuning.vanilla_s.items()]

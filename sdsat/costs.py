@@ -4,9 +4,10 @@ Speculative decoding pays when its tokens per pass exceed what its wider passes 
 one-token pass, and that cost curve depends on the processor, the precision and the kernels
 (docs/architecture.md, "Why the CPU matters"). `measure_curve` times the real passes on the loaded
 model: plain causal blocks of 1..32 tokens (vanilla, prompt lookup, verify passes), SDSAT draft
-blocks [t, SAT×k] and verify passes over draft trees, whose nodes off the chain can cost more than
-causal rows (row-invariant attention gives them calls of their own). `check_rows` compares each row
-of a block with the same token computed alone, which is what greedy identity rests on.
+blocks [t, SAT×k], verify passes over draft trees, whose nodes off the chain can cost more than
+causal rows (row-invariant attention gives them calls of their own), and the fused scheme's passes.
+`check_rows` compares each row of a block with the same token computed alone, which is what greedy
+identity rests on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from transformers import DynamicCache
 from . import timing
 from .compute import compute_thread
 from .kvcache import behind_cache, new_cache, rollback
+from .layout import SatLayout
 from .records import StepRecord
 from .sat import SatModel
 from .tree import MAX_EXTRA, DraftTree
@@ -43,6 +45,9 @@ class CostCurve:
     draft: dict[int, float] = field(default_factory=dict)  # k -> seconds of [t, SAT×k] (k + 1 tokens)
     tree: dict[int, float] = field(default_factory=dict)  # runner-ups -> seconds of a tree pass at depth tree_k
     tree_k: int = 0
+    # k -> seconds of a fused pass [start, k drafts] with a run of k SATs after each of those (verify.py); empty in
+    # curves measured before it was timed
+    fused: dict[int, float] = field(default_factory=dict)
     # The one-token pass's slowest round over its fastest: far above 1, something else was using the cores
     # while measuring (the curve is then used but not kept).
     spread: float = 1.0
@@ -66,6 +71,12 @@ class CostCurve:
 
     def draft_s(self, k: int) -> float:
         return self.draft[k] if k in self.draft else self.pass_s(k + 1)
+
+    def fused_s(self, k: int) -> float:
+        """Seconds of a fused pass at k: as timed, else a draft block as wide ((k + 1)² positions)."""
+        if k in self.fused:
+            return self.fused[k]
+        return self.draft_s(k) * self.pass_s((k + 1) ** 2) / self.pass_s(k + 1)
 
     def tree_s(self, k: int, extra: int) -> float:
         """Seconds of a verify pass over DraftTree.for_k(k, extra): a plain block as wide, plus what the timed
@@ -94,7 +105,8 @@ class CostCurve:
         factor = seconds / self.one_token_s
         return replace(self, plain={w: s * factor for w, s in self.plain.items()},
                        draft={k: s * factor for k, s in self.draft.items()},
-                       tree={e: s * factor for e, s in self.tree.items()})
+                       tree={e: s * factor for e, s in self.tree.items()},
+                       fused={k: s * factor for k, s in self.fused.items()})
 
     def relative(self) -> dict[int, float]:
         """Plain pass cost by width, relative to a one-token pass."""
@@ -108,7 +120,9 @@ class CostCurve:
         return cls(dtype=str(data["dtype"]), plain={int(w): float(s) for w, s in data["plain"].items()},
                    draft={int(k): float(s) for k, s in data["draft"].items()},
                    tree={int(e): float(s) for e, s in data.get("tree", {}).items()},
-                   tree_k=int(data.get("tree_k", 0)), spread=float(data.get("spread", 1)),
+                   tree_k=int(data.get("tree_k", 0)),
+                   fused={int(k): float(s) for k, s in data.get("fused", {}).items()},
+                   spread=float(data.get("spread", 1)),
                    fastest_one_s=float(data.get("fastest_one_s", 0)))
 
 
@@ -138,19 +152,20 @@ class RowCheck:
 
 def priced_seconds(steps: Sequence[StepRecord], curve: CostCurve, k: int) -> float:
     """What the forward passes of these iterations cost at the curve's prices: a draft pass [t, SAT×k] costs
-    `draft_s(k)` (k: the config's SATs per draft pass), and every other pass `pass_s` of the tokens it feeds: its
-    start token and the candidates it verifies (a vanilla pass: 1), and in a fused pass a run of k SATs after
-    each of those (verify.py). The first pass also reads the prompt; it is priced as a decode pass, as vanilla's
-    would be, because the curve times passes behind a filled cache."""
+    `draft_s(k)` (k: the config's SATs per draft pass), a fused pass `fused_s(k)`, and every other pass `pass_s` of
+    the tokens it feeds: its start token and the candidates it verifies (a vanilla pass: 1). The first pass also
+    reads the prompt; it is priced as a decode pass, as vanilla's would be, because the curve times passes behind a
+    filled cache."""
     seconds = 0.0
     for step in steps:
         if step.draft_pass:
             seconds += curve.draft_s(k)
-        fed = 1 + step.candidates
         if step.kind == "tree":  # at the depth it drafted (adaptive k may have drafted fewer than k)
             seconds += curve.tree_s(step.k, step.candidates - step.k)
+        elif step.kind == "fused":
+            seconds += curve.fused_s(k)
         else:
-            seconds += curve.pass_s(fed * (1 + k) if step.kind == "fused" else fed)
+            seconds += curve.pass_s(1 + step.candidates)
     return seconds
 
 
@@ -170,8 +185,8 @@ TREE_EXTRAS = (1, 2, 4, MAX_EXTRA)  # their runner-ups (those that fit that dept
 
 def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None, context: int = CONTEXT,
                   repeats: int = 5, seed: int = 0, trees: bool = True) -> CostCurve:
-    """Time plain blocks of each width, draft blocks [t, SAT×k] for k = 1..`drafts` (default: the SATs'
-    largest k, at most 8) and verify passes over draft trees of depth TREE_K with TREE_EXTRAS runner-ups,
+    """Time plain blocks of each width, draft blocks [t, SAT×k] and fused passes for k = 1..`drafts` (default: the
+    SATs' largest k, at most 8) and verify passes over draft trees of depth TREE_K with TREE_EXTRAS runner-ups,
     sizes interleaved in every round; medians, the first round dropped."""
     gen = torch.Generator().manual_seed(seed)
     cache, vocab = _prefill(sat_model, context, gen)
@@ -180,7 +195,8 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
     tree_k = min(TREE_K, sat_model.max_k)
     fit = len(DraftTree.for_k(tree_k, MAX_EXTRA).paths) - tree_k if trees else 0
     blocks = ([("plain", w) for w in sorted(set(widths) | {1})] + [("draft", k) for k in range(1, drafts + 1)]
-              + [("tree", e) for e in sorted({min(e, fit) for e in TREE_EXTRAS} - {0})])
+              + [("tree", e) for e in sorted({min(e, fit) for e in TREE_EXTRAS} - {0})]
+              + [("fused", k) for k in range(1, drafts + 1)])
     times: dict[tuple[str, int], list[float]] = {b: [] for b in blocks}
     for _ in range(repeats + 1):
         compute_thread().serve_urgent()  # a server's visitors decode between rounds, not beside one (compute.py)
@@ -188,20 +204,32 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
             inputs = _timed_block(kind, size, tree_k, context, vocab, gen, device)
             start = timing.now(device)
             with torch.inference_mode():
-                sat_model.forward(**inputs, cache=cache)
+                if kind == "fused" and sat_model.plain_head:  # as verify.py: logits of the verify rows and one run
+                    sat_model.head(sat_model.hidden_states(**inputs, cache=cache)[0, :2 * size + 1])
+                else:
+                    sat_model.forward(**inputs, cache=cache)
             times[(kind, size)].append(timing.now(device) - start)
             rollback(cache, context)
     median = {b: statistics.median(v[1:]) for b, v in times.items()}
     dtype = str(next(sat_model.model.parameters()).dtype).removeprefix("torch.")
     one = times[("plain", 1)][1:]
-    of = {kind: {s: t for (kind_, s), t in median.items() if kind_ == kind} for kind in ("plain", "draft", "tree")}
+    of = {kind: {s: t for (kind_, s), t in median.items() if kind_ == kind}
+          for kind in ("plain", "draft", "tree", "fused")}
     return CostCurve(dtype=dtype, plain=of["plain"], draft=of["draft"], tree=of["tree"],
-                     tree_k=tree_k if of["tree"] else 0, spread=max(one) / min(one), fastest_one_s=min(one))
+                     tree_k=tree_k if of["tree"] else 0, fused=of["fused"], spread=max(one) / min(one),
+                     fastest_one_s=min(one))
 
 
 def _timed_block(kind: str, size: int, tree_k: int, context: int, vocab: int, gen: torch.Generator,
                  device) -> dict:
     """SatModel.forward's inputs for one timed pass behind `context` cached tokens."""
+    if kind == "fused":
+        layout = SatLayout.runs_at(size + 1, torch.arange(size + 1), size)
+        ids = torch.cat([torch.randint(0, vocab, (1 + size,), generator=gen),
+                         torch.zeros(layout.num_sats, dtype=torch.long)])[None].to(device)
+        return dict(input_ids=ids, sat_slots=layout.sat_slots.to(device),
+                    attention_mask=behind_cache(layout.attention_mask(), context, device),
+                    position_ids=layout.position_ids.to(device) + context)
     if kind == "tree":
         tree = DraftTree.for_k(tree_k, size)
         ids = torch.randint(0, vocab, (1, 1 + len(tree.paths)), generator=gen).to(device)

@@ -17,7 +17,7 @@ the draft distribution q_j.
 
 Where the SAT adapter has a sampler head beside it (head.py), every draft pass drafts through it: draft 1
 is conditioned on t, draft j on draft j - 1, and q is the head's own distribution. The fused scheme's
-later drafts come from its verify pass and stay the SATs' own.
+later drafts come from its verify pass through the head too, draft 1 conditioned on that pass's bonus token.
 
 A new drafter is one class here plus a line in `drafter_for`.
 """
@@ -103,22 +103,33 @@ def conditioned_draft_pass(ctx: DraftContext, k: int) -> tuple[int, float, torch
     kv_before, n = cache.get_seq_length(), len(ctx.pending)
     ids = torch.tensor([ctx.pending + [0] * k], device=device)
     slots = torch.cat([torch.full((n,), -1, device=device), sat_model.sat_block(k)])[None]
-    head = sat_model.sampler if sat_model.plain_head else None  # the head reads hidden states: logits = head(h)
-    if head is None:
-        logits = sat_model.forward(ids, slots, cache=cache, logits_to_keep=k + 1)[0]  # (1 + k, V)
-    else:
+    if not drafts_through_head(sat_model):
+        hidden, logits = None, sat_model.forward(ids, slots, cache=cache, logits_to_keep=k + 1)[0]  # (1 + k, V)
+    else:  # the head reads hidden states: logits = head(h)
         hidden = sat_model.hidden_states(ids, slots, cache=cache)[0, -(k + 1):]  # (1 + k, H)
         logits = sat_model.head(hidden)  # what forward's logits_to_keep=k + 1 computes
     rollback(cache, kv_before + n)
     t, p_t = ctx.chooser.choose(logits[:1])
-    if head is None:
-        q, drafts = ctx.chooser.probs(logits[1:]), None  # q_i: the SAT's distribution for draft i
-    else:
-        embed_in = sat_model.model.get_input_embeddings().weight
-        embed_out = sat_model.model.get_output_embeddings().weight
-        q, drafts = head_drafts(head, hidden[1:], logits[1:], int(t[0]), embed_in, embed_out, ctx.chooser.probs,
-                                ctx.chooser.draw, ctx.history)
+    q, drafts = sat_drafts(ctx, logits[1:], None if hidden is None else hidden[1:], int(t[0]), ctx.history)
     return int(t[0]), float(p_t[0]), q, drafts, ctx.clock.now() - start
+
+
+def drafts_through_head(sat_model: SatModel) -> bool:
+    """Whether the SATs' drafts go through a sampler head: one beside the adapter, on a model whose logits are
+    its plain head over the final hidden states (which the sampler head reads)."""
+    return getattr(sat_model, "sampler", None) is not None and sat_model.plain_head
+
+
+def sat_drafts(ctx: DraftContext, logits: torch.Tensor, hidden: torch.Tensor | None, t: int,
+               history: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q (k, V) for a run of k SATs whose logits (k, V) and, with a sampler head, final hidden states (k, H) a pass
+    gave, t the token before draft 1 and `history` every token before t. With the head, also its drafts (k,), each
+    conditioned on the one before it; without, each SAT's own q (blind to t and the drafts before) and None."""
+    if hidden is None or not drafts_through_head(ctx.sat_model):
+        return ctx.chooser.probs(logits), None
+    model = ctx.sat_model.model
+    return head_drafts(ctx.sat_model.sampler, hidden, logits, t, model.get_input_embeddings().weight,
+                       model.get_output_embeddings().weight, ctx.chooser.probs, ctx.chooser.draw, history)
 
 
 class SatChain:
@@ -204,21 +215,24 @@ class Fused:
 
     def __init__(self, k: int):
         self.k = k
-        self.next: tuple[torch.Tensor, torch.Tensor] | None = None  # (q, drafts) the last verify pass drafted
+        self.next: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the SAT run the last verify pass gave:
+        # (logits, hidden states), its drafts still to choose once the bonus token is known
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        if self.next is not None:
-            q, drafts = self.next
+        conditioned = drafts_through_head(ctx.sat_model)
+        if self.next is not None:  # the run drafts the tokens after the bonus (pending, the history's last token)
+            q, drafts = sat_drafts(ctx, *self.next, ctx.pending[0], ctx.history[:-1])
+            drafts = ctx.chooser.draw(q) if drafts is None else drafts
             return Proposal(kind="fused", start=ctx.pending[0], k=self.k, drafts=drafts, q=q, draft_next=self.k,
-                            ranks=top_ranks(ctx, drafts))
+                            ranks=top_ranks(ctx, drafts), conditioned=conditioned)
         t, p_t, q, drafts, seconds = conditioned_draft_pass(ctx, self.k)
         drafts = ctx.chooser.draw(q) if drafts is None else drafts
         return Proposal(kind="fused", start=t, k=self.k, drafts=drafts, q=q, draft_next=self.k,
                         ranks=top_ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds,
-                        conditioned=getattr(ctx.sat_model, "sampler", None) is not None and ctx.sat_model.plain_head)
+                        conditioned=conditioned)
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
-        self.next = (verdict.next_q, verdict.next_drafts)
+        self.next = (verdict.next_logits, verdict.next_hidden)
 
 
 def top_ranks(ctx: DraftContext, drafts: torch.Tensor) -> list[int]:

@@ -220,9 +220,8 @@ def replay_sampled(trace: PromptTrace, settings: Settings, curve: CostCurve,
 
     if settings.scheme == "fused":
         chain = sampled.expected_drafts(DraftTree.for_k(k, 0))
-        fused_s = curve.draft_s(k) * curve.pass_s((k + 1) ** 2) / curve.pass_s(k + 1)
         iterations = max(0.0, (total - 1) / (chain + 1))
-        return total, 1 + round(iterations), curve.draft_s(k) + iterations * fused_s
+        return total, 1 + round(iterations), curve.draft_s(k) + iterations * curve.fused_s(k)
     while n < total:
         width = copies(n) if n else 0
         if width:  # lookup_direct
@@ -259,11 +258,12 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
 
     if settings.scheme == "fused":
         # One draft pass, then passes that verify [start, k drafts] and anchor a run of k SATs after each of
-        # those tokens ((k + 1)² positions, as verify.py builds them), priced as a draft block that wide.
+        # those tokens ((k + 1)² positions, as verify.py builds them); the next drafts are the run's after the
+        # accepted ones, through the head as a draft pass's, so the trace's ranks hold for them.
         seconds, passes, n = curve.draft_s(k), 1, 1
         while n < total:
             a = _accepted(DraftTree.for_k(k, 0), ranks[n - 1][:k]) if n - 1 < len(ranks) else 0
-            seconds += curve.draft_s(k) * curve.pass_s((k + 1) ** 2) / curve.pass_s(k + 1)
+            seconds += curve.fused_s(k)
             passes += 1
             n += a + 1
         return total, passes, seconds

@@ -56,7 +56,7 @@ EXACT_FORMS = (COMPILED, KEYED, INVARIANT, PER_ROW)  # tried in this order (see 
 # The attention each form sets on a CPU (attention.py; ROUTED's is SDPA)
 ATTENTION_OF = {COMPILED: attention.COMPILED, KEYED: attention.KEYED, INVARIANT: attention.TILED,
                 PER_ROW: attention.PER_ROW, ROUTED_COMPILED: attention.COMPILED}
-_FORMAT = 9
+_FORMAT = 10  # 10: the curves time the fused pass
 MEASURE_ROUNDS = 2  # a noisy curve: the precisions measured now are measured once more (see `tune`)
 # After the curves, every form's one-token pass is timed again in this many rounds (see `_time_again`), each of
 # REVISIT_PASSES passes.

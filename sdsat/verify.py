@@ -28,8 +28,8 @@ class Verdict:
     shown: list[int]  # the drafts the record shows: the chain, or the path a tree's walk took
     shown_rows: list[int] = field(default_factory=list)  # tree: the node index of each shown draft
     node_tokens: list[int] = field(default_factory=list)  # tree: every node's token
-    next_q: torch.Tensor | None = None  # fused: (k, V) the next block's draft distributions
-    next_drafts: torch.Tensor | None = None  # fused: (k,) the next block's drafts
+    next_logits: torch.Tensor | None = None  # fused: (k, V) the SAT run after the accepted drafts: its logits
+    next_hidden: torch.Tensor | None = None  # fused, a model with a plain head: (k, H) that run's final hidden states
     tests: list[AcceptTest] = field(default_factory=list)  # sampling: every draft's accept test, in order
 
 
@@ -70,11 +70,10 @@ def _verify_fused(sat_model: SatModel, chooser: TokenChooser, cache, start: int,
         rows, project = sat_model.forward(**inputs)[0], (lambda logits: logits)
     p = chooser.probs(project(rows[:n + 1]))
     accepted, bonus, tests = chooser.accept(p, q, drafts)
-    first = n + 1 + accepted * k
-    next_q = chooser.probs(project(rows[first:first + k]))
+    run = rows[n + 1 + accepted * k:][:k]  # the SATs anchored at the last accepted token: they draft after the bonus
     rollback(cache, base + 1 + accepted)
-    return Verdict(p=p, accepted=accepted, bonus=bonus, shown=drafts.tolist(), next_q=next_q,
-                   next_drafts=chooser.draw(next_q), tests=tests)
+    return Verdict(p=p, accepted=accepted, bonus=bonus, shown=drafts.tolist(), next_logits=project(run),
+                   next_hidden=run if sat_model.plain_head else None, tests=tests)
 
 
 def verify_tree(sat_model: SatModel, chooser: TokenChooser, cache, start: int, tokens: torch.Tensor,

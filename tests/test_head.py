@@ -65,10 +65,11 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0, combiner: int
     return sat_model
 
 
-def sampled_positions(sat_model: SatModel, k: int, settings: dict, seeds: range, extra: int = 0) -> list[Counter]:
+def sampled_positions(sat_model: SatModel, k: int, settings: dict, seeds: range, extra: int = 0,
+                      scheme: str = "two_step") -> list[Counter]:
     counts = [Counter() for _ in range(POSITIONS)]
     for seed in seeds:
-        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=POSITIONS + 1, tree_candidates=extra,
+        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=POSITIONS + 1, tree_candidates=extra, scheme=scheme,
                               sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
         result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
         for i, token in enumerate(result.token_ids[:POSITIONS]):
@@ -76,9 +77,9 @@ def sampled_positions(sat_model: SatModel, k: int, settings: dict, seeds: range,
     return counts
 
 
-def p_values(sat_model: SatModel, k: int, settings: dict, extra: int = 0) -> list[float]:
+def p_values(sat_model: SatModel, k: int, settings: dict, extra: int = 0, scheme: str = "two_step") -> list[float]:
     marginals = exact_marginals(sat_model.model, settings, POSITIONS)
-    counts = sampled_positions(sat_model, k, settings, range(SAMPLES), extra)
+    counts = sampled_positions(sat_model, k, settings, range(SAMPLES), extra, scheme)
     return [marginal_fit(c, m) for c, m in zip(counts, marginals)]
 
 
@@ -86,11 +87,41 @@ def test_greedy_with_the_head_equals_vanilla():
     sat_model = tiny_sat_model(head=True)
     vanilla = collect(decode(sat_model, SilentTokenizer(), PROMPT, DecodeConfig(method="vanilla", max_new_tokens=24),
                              eos_ids=[]))
-    for k, extra in ((1, 0), (3, 0), (3, 4)):
-        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=24, tree_candidates=extra)
+    for k, extra, scheme in ((1, 0, "two_step"), (3, 0, "two_step"), (3, 4, "two_step"), (2, 0, "fused")):
+        config = DecodeConfig(method="sdsat", k=k, max_new_tokens=24, tree_candidates=extra, scheme=scheme)
         result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
         assert result.token_ids == vanilla.token_ids
-        assert all(step.conditioned for step in result.steps if step.draft_pass)
+        # the fused scheme's later drafts, from its verify passes, go through the head too
+        assert all(step.conditioned for step in result.steps if step.draft_pass or scheme == "fused")
+
+
+def test_the_fused_schemes_later_drafts_are_the_heads_given_the_bonus_token():
+    """After a fused verify pass, the next drafts are the head's over the SAT run anchored at the last accepted
+    token, draft 1 conditioned on that pass's bonus token: greedy, each is the top of the head's own logits for its
+    row given the token before it."""
+    sat_model = tiny_sat_model(head=True)
+    model, head = sat_model.model, sat_model.sampler
+    embed_in, embed_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    config = DecodeConfig(method="sdsat", k=2, max_new_tokens=16, scheme="fused")
+    result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+    checked = 0
+    for before, step in zip(result.steps, result.steps[1:]):
+        history = PROMPT + [t for s in result.steps[:step.index] for t in s.tokens]  # ends with the bonus
+        bonus = history[-1]
+        assert bonus == before.tokens[-1] and not step.draft_pass
+        # the run the verify pass anchored at the last accepted token (history[:-1] ends with it), computed alone as
+        # a draft pass after that token computes it: its SAT 1 stands where the bonus does and drafts the token after
+        ids = torch.tensor([history[:-1] + [0, 0]])
+        slots = torch.tensor([[-1] * (len(history) - 1) + [0, 1]])
+        with torch.inference_mode():
+            hidden = sat_model.hidden_states(ids, slots)[0, -2:]
+            prev, text = [bonus] + step.drafts[:-1], torch.tensor(history + step.drafts)
+            for j in range(2):
+                row = head.logits(hidden[j:j + 1], sat_model.head(hidden[j:j + 1]), torch.tensor([prev[j]]),
+                                  torch.tensor([j]), embed_in, embed_out, text, torch.tensor([len(history) - 1 + j]))
+                assert step.drafts[j] == int(row[0].argmax())
+        checked += 1
+    assert checked >= 3
 
 
 def test_standard_token_logits_are_bit_equal_with_and_without_adapter_and_head():
@@ -180,13 +211,16 @@ def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, c
     ("chain-t0.7-topp0.9-k2", 2, 0, dict(temperature=0.7, top_p=0.9), 0),
     ("tree-t1-k2", 2, 3, dict(temperature=1.0), 0),
     ("chain-t1.3-k3-combiner", 3, 0, dict(temperature=1.3), 8),
+    ("fused-t1.3-k2", 2, 0, dict(temperature=1.3), 0),
 ])
 def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings, combiner):
-    p = p_values(tiny_sat_model(head=True, combiner=combiner), k, settings, extra)
+    scheme = "fused" if name.startswith("fused") else "two_step"
+    p = p_values(tiny_sat_model(head=True, combiner=combiner), k, settings, extra, scheme)
     assert min(p) > ALPHA, p
 
 
-def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch):
+@pytest.mark.parametrize("scheme", ["two_step", "fused"])
+def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch, scheme):
     """Drafts drawn from the head but tested against the SATs' own q (the q a blind drafter would report)
     shift the output beyond the test's tolerance: the test has power over the head's q."""
     honest = head_drafts
@@ -196,7 +230,7 @@ def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch):
         return warp(logits), drafts
 
     monkeypatch.setattr(drafters, "head_drafts", misreported)
-    p = p_values(tiny_sat_model(head=True), 3, dict(temperature=1.3))
+    p = p_values(tiny_sat_model(head=True), 3, dict(temperature=1.3), scheme=scheme)
     assert min(p) < ALPHA, p
 
 

@@ -60,6 +60,34 @@ def test_replay_of_perfect_drafts_counts_the_two_step_tokens():
     assert seconds == pytest.approx(20 * (0.04 * 1.1 + 0.04))
 
 
+def test_fused_passes_are_priced_as_timed_and_as_a_draft_block_that_wide_where_not_timed():
+    """A fused replay: one draft pass, then one fused pass per iteration of its accepted drafts and bonus, each
+    at the curve's timed fused cost; a curve measured before fused passes were timed prices one as a draft
+    block of (k + 1)² positions. The timed costs round-trip through the curve's file."""
+    trace = PromptTrace(list(range(100, 140)), list(range(1000, 1061)), [[0] * 5 for _ in range(61)])
+    untimed = curve(lambda w: 1 + 0.05 * (w - 1))
+    timed = curve(lambda w: 1 + 0.05 * (w - 1))
+    timed.fused = {2: 0.5}
+    for c, fused_s in ((untimed, untimed.draft_s(2) * untimed.pass_s(9) / untimed.pass_s(3)), (timed, 0.5)):
+        assert c.fused_s(2) == pytest.approx(fused_s)
+        n, passes, seconds = replay(trace, Settings("fused", 2), c)
+        assert (n, passes) == (61, 1 + 20)  # the draft pass's t, then 3 tokens per fused pass (2 drafts + bonus)
+        assert seconds == pytest.approx(c.draft_s(2) + 20 * fused_s)
+    assert CostCurve.from_dict(timed.to_dict()) == timed
+    assert CostCurve.from_dict({k: v for k, v in untimed.to_dict().items() if k != "fused"}) == untimed
+
+
+def test_a_fused_pass_timed_dearer_loses_the_plan_to_the_two_step_scheme():
+    """The same trace and curve; only the fused pass's timed cost differs: cheap, the plan is fused; as dear as
+    a draft pass and a verify pass together, the two-step scheme's tokens per pass win."""
+    trace = synthetic_trace(seed=3)
+    cheap, dear = curve(lambda w: 1 + 0.05 * (w - 1)), curve(lambda w: 1 + 0.05 * (w - 1))
+    cheap.fused = {k: cheap.draft_s(k) for k in range(1, 7)}
+    dear.fused = {k: dear.draft_s(k) + dear.pass_s(k + 1) for k in range(1, 7)}
+    assert choose([cheap], trace, max_k=6).settings.scheme == "fused"
+    assert choose([dear], trace, max_k=6).settings.scheme == "two_step"
+
+
 def test_replay_of_wrong_drafts_and_a_runner_up_tree():
     """Drafts that are always the SATs' second choice: the chain gets none, a tree with (1,) gets one per pass."""
     trace = PromptTrace(list(range(100, 140)), list(range(1000, 1060)), [[1] * 3 for _ in range(60)])

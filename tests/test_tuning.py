@@ -90,14 +90,16 @@ def test_trying_a_precision_restores_the_model_bit_for_bit(kernels):
     assert model.config._attn_implementation == attention and cpu_kernels.installed_plan(model) is plan
 
 
-def test_cost_curve_covers_plain_and_draft_blocks_and_draft_trees():
+def test_cost_curve_covers_plain_and_draft_blocks_draft_trees_and_fused_passes():
     from sdsat.costs import TREE_EXTRAS, TREE_K
 
     sat_model = make_sat_model("adapter")
     curve = measure_curve(sat_model, widths=(1, 2, 4), drafts=3, context=16, repeats=1)
-    assert set(curve.plain) == {1, 2, 4} and set(curve.draft) == {1, 2, 3}
+    assert set(curve.plain) == {1, 2, 4} and set(curve.draft) == set(curve.fused) == {1, 2, 3}
     assert curve.tree_k == min(TREE_K, sat_model.max_k) and set(curve.tree) == set(TREE_EXTRAS)
-    assert all(s > 0 for s in [*curve.plain.values(), *curve.draft.values(), *curve.tree.values()])
+    assert all(s > 0 for s in [*curve.plain.values(), *curve.draft.values(), *curve.tree.values(),
+                               *curve.fused.values()])
+    assert curve.fused_s(2) == curve.fused[2]
     assert curve.pass_s(3) == curve.plain[4] and curve.pass_s(8) == pytest.approx(curve.plain[4] * 2)
     assert measure_curve(sat_model, widths=(1,), drafts=0, context=16, repeats=1, trees=False).tree == {}
 
