@@ -21,9 +21,11 @@ from transformers import DynamicCache
 
 from . import timing
 from .compute import compute_thread
+from .drafters import DraftContext, conditioned_draft_pass
 from .kvcache import behind_cache, new_cache, rollback
 from .layout import SatLayout
 from .records import StepRecord
+from .sampling import SamplingConfig, TokenChooser
 from .sat import SatModel
 from .tree import MAX_EXTRA, DraftTree
 
@@ -169,14 +171,15 @@ def priced_seconds(steps: Sequence[StepRecord], curve: CostCurve, k: int) -> flo
     return seconds
 
 
-def _prefill(sat_model: SatModel, context: int, generator: torch.Generator) -> tuple[DynamicCache, int]:
+def _prefill(sat_model: SatModel, context: int, generator: torch.Generator) -> tuple[DynamicCache, int, list[int]]:
+    """A cache of `context` random tokens: (the cache, the vocabulary's size, the tokens)."""
     model = sat_model.model
     vocab = model.get_input_embeddings().weight.shape[0]
     cache = new_cache(model.config)
     ids = torch.randint(0, vocab, (1, context), generator=generator).to(sat_model.device)
     with torch.inference_mode():
         sat_model.forward(ids, cache=cache, logits_to_keep=1)
-    return cache, vocab
+    return cache, vocab, ids[0].tolist()
 
 
 TREE_K = 3  # the depth of the draft trees timed (or the SATs' largest k, if smaller)
@@ -189,9 +192,10 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
     SATs' largest k, at most 8) and verify passes over draft trees of depth TREE_K with TREE_EXTRAS runner-ups,
     sizes interleaved in every round; medians, the first round dropped."""
     gen = torch.Generator().manual_seed(seed)
-    cache, vocab = _prefill(sat_model, context, gen)
+    cache, vocab, history = _prefill(sat_model, context, gen)
     device = sat_model.device
     drafts = min(sat_model.max_k, 8) if drafts is None else drafts
+    greedy = TokenChooser(SamplingConfig(), device)  # a draft pass is timed as greedy decoding runs it (drafters.py)
     tree_k = min(TREE_K, sat_model.max_k)
     fit = len(DraftTree.for_k(tree_k, MAX_EXTRA).paths) - tree_k if trees else 0
     blocks = ([("plain", w) for w in sorted(set(widths) | {1})] + [("draft", k) for k in range(1, drafts + 1)]
@@ -202,9 +206,14 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
         compute_thread().serve_urgent()  # a server's visitors decode between rounds, not beside one (compute.py)
         for kind, size in blocks:
             inputs = _timed_block(kind, size, tree_k, context, vocab, gen, device)
+            if kind == "draft":  # t, and the drafts through the sampler head where one is beside the SATs
+                pending = inputs["input_ids"][0, :1].tolist()
+                ctx = DraftContext(sat_model, greedy, cache, pending, history + pending, size, timing.Clock(device))
             start = timing.now(device)
             with torch.inference_mode():
-                if kind == "fused" and sat_model.plain_head:  # as verify.py: logits of the verify rows and one run
+                if kind == "draft":
+                    conditioned_draft_pass(ctx, size)
+                elif kind == "fused" and sat_model.plain_head:  # as verify.py: logits of the verify rows and one run
                     sat_model.head(sat_model.hidden_states(**inputs, cache=cache)[0, :2 * size + 1])
                 else:
                     sat_model.forward(**inputs, cache=cache)
@@ -249,7 +258,7 @@ def check_rows(sat_model: SatModel, widths=(2, 4, 8, 16, 40), context: int = 61,
     tiled attention (attention.py) cuts a block into calls of different key widths; so do the tree's
     runner-ups, which it gathers into one batched call per key width."""
     gen = torch.Generator().manual_seed(seed)
-    cache, vocab = _prefill(sat_model, context, gen)
+    cache, vocab, _ = _prefill(sat_model, context, gen)
     device = sat_model.device
     alone_rows, block_rows = [], []
     with torch.inference_mode():

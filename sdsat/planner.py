@@ -359,12 +359,16 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
     if not scored:
         raise ValueError("no precision is usable for SDSAT on this machine")
     # Best predicted speed-up, and among the settings predicted within MARGIN of it the narrowest (fewest
-    # positions per verify pass, then smallest k): the replay prices passes from a curve measured at one
-    # context length, and wide passes were the ones it underpriced.
+    # positions per verify pass), then the two-step scheme before fused, then the smallest k, then the fastest
+    # vanilla's own precision: the replay prices passes from a curve measured at one context length, wide passes
+    # and fused ones were those it underpriced, and two precisions' curves are measured apart (in the baseline's
+    # precision greedy output is also vanilla's own text).
+    baseline_dtype = baseline[0].split()[0]
     scored.sort(key=lambda s: (-round(s[0].speedup, 6), s[0].settings.k, s[0].settings.tree_candidates))
     top = scored[0][0].speedup
     close = [s for s in scored if s[0].speedup >= top * (1 - MARGIN)]
-    best, dtype = min(close, key=lambda s: (_width(s[0].settings), s[0].settings.k, -s[0].speedup))
+    best, dtype = min(close, key=lambda s: (_width(s[0].settings), s[0].settings.scheme != "two_step",
+                                            s[0].settings.k, s[1] != baseline_dtype, -s[0].speedup))
     scored.remove((best, dtype))
     scored.insert(0, (best, dtype))
     s = best.settings

@@ -13,7 +13,8 @@ import pytest
 from sdsat.bench.acceptance import SAMPLED
 from sdsat.costs import CostCurve
 from sdsat.engine import DEFAULT_ADAPTER
-from sdsat.planner import MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Settings, Trace, choose, predict, replay
+from sdsat.planner import (MARGIN, MISSED, TRACE_FILE, PromptTrace, SampledAcceptance, Settings, Trace, choose, predict,
+                           replay)
 from sdsat.tree import MAX_EXTRA, DraftTree
 from sdsat.ui.presets import PAGE_SAMPLING
 
@@ -189,6 +190,37 @@ def test_usable_precision_that_is_faster_is_chosen():
     plan = choose([curve(FLAT, "float32", one=0.040), curve(FLAT, "bfloat16", one=0.030)], trace, max_k=6,
                   usable={"float32", "bfloat16"})
     assert plan.dtype == "bfloat16"
+
+
+def test_a_precision_predicted_within_the_margin_loses_to_the_fastest_vanillas_own():
+    """float32's passes a little flatter than bfloat16's, its plan predicted faster but within MARGIN: the plan
+    decodes in bfloat16, the fastest vanilla's precision; predicted faster beyond it, float32 is chosen."""
+    trace = synthetic_trace(seed=3)
+    bf16 = curve(lambda w: 1 + 0.05 * (w - 1), "bfloat16", one=0.030)
+    for slope, chosen in ((0.042, "bfloat16"), (0.02, "float32")):
+        fp32 = curve(lambda w: 1 + slope * (w - 1), "float32", one=0.0305)
+        plan = choose([fp32, bf16], trace, max_k=6, usable={"float32", "bfloat16"})
+        alone = {c.dtype: choose([fp32, bf16], trace, max_k=6, usable={c.dtype}) for c in (fp32, bf16)}
+        assert alone["float32"].predicted.speedup > alone["bfloat16"].predicted.speedup
+        if chosen == "bfloat16":  # the same settings, as narrow: the precision decides
+            assert alone["float32"].settings == alone["bfloat16"].settings
+        within = alone["float32"].predicted.speedup * (1 - MARGIN) <= alone["bfloat16"].predicted.speedup
+        assert within == (chosen == "bfloat16")
+        assert plan.dtype == chosen and plan.baseline.startswith("bfloat16 vanilla")
+
+
+def test_a_fused_plan_within_the_margin_loses_to_the_two_step_one_as_narrow():
+    """Fused k = 1 and the two-step chain at k = 3 both pass 4 positions at a time; fused predicted a little
+    faster (within MARGIN) gives the plan to the two-step scheme, predicted faster beyond it keeps it fused."""
+    trace = synthetic_trace(seed=3)
+    two_step = choose([curve(lambda w: 1 + 0.05 * (w - 1))], trace, max_k=6, schemes=("two_step",))
+    assert two_step.settings == Settings("two_step", 3)
+    for gain, scheme in ((1.01, "two_step"), (1.2, "fused")):
+        c = curve(lambda w: 1 + 0.05 * (w - 1))
+        fused_alone = predict(trace, Settings("fused", 1), c, c.one_token_s)
+        c.fused = {1: c.fused_s(1) * fused_alone.speedup / (two_step.predicted.speedup * gain)}
+        plan = choose([c], trace, max_k=6, schemes=("two_step", "fused"))
+        assert plan.settings.scheme == scheme
 
 
 def test_sampling_without_a_sampled_acceptance_plans_no_tree():
