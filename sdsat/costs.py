@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from . import timing
 from .compute import compute_thread
-from .drafters import DraftContext, conditioned_draft_pass
+from .drafters import DraftContext, conditioned_draft_pass, sat_drafts
 from .kvcache import behind_cache, new_cache, rollback
 from .layout import SatLayout
 from .records import StepRecord
@@ -195,7 +195,7 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
     cache, vocab, history = _prefill(sat_model, context, gen)
     device = sat_model.device
     drafts = min(sat_model.max_k, 8) if drafts is None else drafts
-    greedy = TokenChooser(SamplingConfig(), device)  # a draft pass is timed as greedy decoding runs it (drafters.py)
+    greedy = TokenChooser(SamplingConfig(), device)  # draft and fused passes are timed as greedy decoding runs them
     tree_k = min(TREE_K, sat_model.max_k)
     fit = len(DraftTree.for_k(tree_k, MAX_EXTRA).paths) - tree_k if trees else 0
     blocks = ([("plain", w) for w in sorted(set(widths) | {1})] + [("draft", k) for k in range(1, drafts + 1)]
@@ -206,15 +206,17 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
         compute_thread().serve_urgent()  # a server's visitors decode between rounds, not beside one (compute.py)
         for kind, size in blocks:
             inputs = _timed_block(kind, size, tree_k, context, vocab, gen, device)
-            if kind == "draft":  # t, and the drafts through the sampler head where one is beside the SATs
+            if kind in ("draft", "fused"):  # their drafts go through the sampler head where one is beside the SATs
                 pending = inputs["input_ids"][0, :1].tolist()
                 ctx = DraftContext(sat_model, greedy, cache, pending, history + pending, size, timing.Clock(device))
             start = timing.now(device)
             with torch.inference_mode():
-                if kind == "draft":
+                if kind == "draft":  # t and the drafts (drafters.py)
                     conditioned_draft_pass(ctx, size)
-                elif kind == "fused" and sat_model.plain_head:  # as verify.py: logits of the verify rows and one run
-                    sat_model.head(sat_model.hidden_states(**inputs, cache=cache)[0, :2 * size + 1])
+                elif kind == "fused" and sat_model.plain_head:  # as verify.py, then the next drafts as Fused's
+                    rows = sat_model.hidden_states(**inputs, cache=cache)[0, :2 * size + 1]
+                    logits = sat_model.head(rows)
+                    sat_drafts(ctx, logits[size + 1:], rows[size + 1:], pending[0], history)
                 else:
                     sat_model.forward(**inputs, cache=cache)
             times[(kind, size)].append(timing.now(device) - start)

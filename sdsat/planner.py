@@ -33,6 +33,8 @@ LOOKUP_TOKENS = 10  # copies verified per prompt-lookup iteration when auto turn
 FALLBACK = dict(k=3, lookup_tokens=10, tree_candidates=2)
 LOOKUP_NGRAM = 2
 MARGIN = 0.03  # predicted speed-ups this close count as a tie (see `choose`)
+# A precision other than the fastest vanilla's counts its predicted speed-up this much lower (see `choose`)
+PRECISION_MARGIN = 0.10
 VOCABULARY = 1 << 16  # how many tokens "no top-k" counts as when sampling settings are compared
 MISSED = 9  # a rank of this or above: the true token was not among the SAT's top choices kept
 
@@ -359,16 +361,20 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
     if not scored:
         raise ValueError("no precision is usable for SDSAT on this machine")
     # Best predicted speed-up, and among the settings predicted within MARGIN of it the narrowest (fewest
-    # positions per verify pass), then the two-step scheme before fused, then the smallest k, then the fastest
-    # vanilla's own precision: the replay prices passes from a curve measured at one context length, wide passes
-    # and fused ones were those it underpriced, and two precisions' curves are measured apart (in the baseline's
-    # precision greedy output is also vanilla's own text).
+    # positions per verify pass), then the two-step scheme before fused, then the smallest k: the replay prices
+    # passes from a curve measured at one context length, and wide passes and fused ones were those it underpriced.
+    # A precision other than the fastest vanilla's is ranked by its speed-up less PRECISION_MARGIN: its curve is
+    # measured apart from the baseline's, and its greedy output is another text than the trace's replay assumes.
     baseline_dtype = baseline[0].split()[0]
-    scored.sort(key=lambda s: (-round(s[0].speedup, 6), s[0].settings.k, s[0].settings.tree_candidates))
-    top = scored[0][0].speedup
-    close = [s for s in scored if s[0].speedup >= top * (1 - MARGIN)]
+
+    def ranked(s: tuple[Prediction, str]) -> float:
+        return s[0].speedup if s[1] == baseline_dtype else s[0].speedup / (1 + PRECISION_MARGIN)
+
+    scored.sort(key=lambda s: (-round(ranked(s), 6), s[0].settings.k, s[0].settings.tree_candidates))
+    top = ranked(scored[0])
+    close = [s for s in scored if ranked(s) >= top * (1 - MARGIN)]
     best, dtype = min(close, key=lambda s: (_width(s[0].settings), s[0].settings.scheme != "two_step",
-                                            s[0].settings.k, s[1] != baseline_dtype, -s[0].speedup))
+                                            s[0].settings.k, s[1] != baseline_dtype, -ranked(s)))
     scored.remove((best, dtype))
     scored.insert(0, (best, dtype))
     s = best.settings
