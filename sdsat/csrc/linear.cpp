@@ -119,10 +119,13 @@ void product_in(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, in
 }
 
 // The tile's shape by the number of rows, where AVX2's 16 registers make it matter: 3 outputs by up to 4 rows, 2 by
-// 5 or 6 (one tile of rows, not 4 and a tile of 1 or 2 that converts the weights again for little work)
+// 5 or 6 (one tile of rows, not 4 and a tile of 1 or 2 that converts the weights again for little work), and for
+// bfloat16 weights 2 by 6 for 9 to 12 rows too (two tiles of rows converting the weights in registers cost less than
+// three reading them widened from a buffer)
 template <typename W, typename T>
 void product(const float* xf, int64_t P, int64_t M, int64_t I, const W* w, int64_t O, T* out) {
-  if (LW == 8 && M > MT && M <= 6) return product_in<2, 6>(xf, P, M, I, w, O, out);
+  const bool wide_bf16 = !std::is_same<W, float>::value && M > 2 * MT && M <= 12;
+  if (LW == 8 && ((M > MT && M <= 6) || wide_bf16)) return product_in<2, 6>(xf, P, M, I, w, O, out);
   product_in<OT, MT>(xf, P, M, I, w, O, out);
 }
 
