@@ -44,11 +44,13 @@ class CostCurve:
 
     dtype: str
     plain: dict[int, float] = field(default_factory=dict)  # block width -> seconds
-    draft: dict[int, float] = field(default_factory=dict)  # k -> seconds of [t, SAT×k] (k + 1 tokens)
+    # k -> seconds of a draft pass [t, SAT×k] (k + 1 tokens) as greedy decoding runs it: t chosen, the drafts
+    # through the sampler head where one is beside the SATs
+    draft: dict[int, float] = field(default_factory=dict)
     tree: dict[int, float] = field(default_factory=dict)  # runner-ups -> seconds of a tree pass at depth tree_k
     tree_k: int = 0
-    # k -> seconds of a fused pass [start, k drafts] with a run of k SATs after each of those (verify.py); empty in
-    # curves measured before it was timed
+    # k -> seconds of a fused pass [start, k drafts] with a run of k SATs after each of those (verify.py), and the
+    # head's next drafts where one is beside the SATs; empty in curves measured before it was timed
     fused: dict[int, float] = field(default_factory=dict)
     # The one-token pass's slowest round over its fastest: far above 1, something else was using the cores
     # while measuring (the curve is then used but not kept).
@@ -233,7 +235,8 @@ def measure_curve(sat_model: SatModel, widths=WIDTHS, drafts: int | None = None,
 
 def _timed_block(kind: str, size: int, tree_k: int, context: int, vocab: int, gen: torch.Generator,
                  device) -> dict:
-    """SatModel.forward's inputs for one timed pass behind `context` cached tokens."""
+    """The inputs of one timed pass behind `context` cached tokens: SatModel.forward's (a fused pass's go to
+    `hidden_states`; of a draft pass's, the first token is the pending one `conditioned_draft_pass` feeds)."""
     if kind == "fused":
         layout = SatLayout.runs_at(size + 1, torch.arange(size + 1), size)
         ids = torch.cat([torch.randint(0, vocab, (1 + size,), generator=gen),

@@ -70,11 +70,12 @@ class Proposal:
     tree: DraftTree | None = None  # verify as a tree
     draws: torch.Tensor | None = None  # a tree: (depth, width) each depth's ranked draws (TokenChooser.draw_ranked)
     valid: list[int] = field(default_factory=list)  # a tree: per depth, how many of those draws are real
-    draft_next: int = 0  # fused: the verify pass also drafts this many tokens for the next iteration
+    draft_next: int = 0  # fused: the verify pass also runs this many SATs for the next iteration's drafts
     certain: list[int] = field(default_factory=list)  # [t] after a draft pass: emitted before the verified ones
     certain_probs: list[float] = field(default_factory=list)
     draft_pass_seconds: float | None = None  # None: no draft pass ran
-    conditioned: bool = False  # a sampler head drafted: draft 1 conditioned on t, draft j on draft j - 1
+    conditioned: bool = False  # a sampler head drafted: draft 1 conditioned on t (fused: on the bonus before the
+    # drafts), draft j on draft j - 1
 
     @property
     def is_copy(self) -> bool:
@@ -219,14 +220,14 @@ class Fused:
         # (logits, hidden states), its drafts still to choose once the bonus token is known
 
     def propose(self, ctx: DraftContext) -> Proposal:
-        conditioned = drafts_through_head(ctx.sat_model)
+        # The head's drafts after a verify pass run here, outside the pass's timing (the curve's fused price has them)
         if self.next is not None:  # the run drafts the tokens after the bonus (pending, the history's last token)
             q, drafts = sat_drafts(ctx, *self.next, ctx.pending[0], ctx.history[:-1])
-            drafts = ctx.chooser.draw(q) if drafts is None else drafts
+            conditioned, drafts = drafts is not None, ctx.chooser.draw(q) if drafts is None else drafts
             return Proposal(kind="fused", start=ctx.pending[0], k=self.k, drafts=drafts, q=q, draft_next=self.k,
                             ranks=top_ranks(ctx, drafts), conditioned=conditioned)
         t, p_t, q, drafts, seconds = conditioned_draft_pass(ctx, self.k)
-        drafts = ctx.chooser.draw(q) if drafts is None else drafts
+        conditioned, drafts = drafts is not None, ctx.chooser.draw(q) if drafts is None else drafts
         return Proposal(kind="fused", start=t, k=self.k, drafts=drafts, q=q, draft_next=self.k,
                         ranks=top_ranks(ctx, drafts), certain=[t], certain_probs=[p_t], draft_pass_seconds=seconds,
                         conditioned=conditioned)

@@ -70,7 +70,8 @@ class StepRecord:
     tree_paths: list[list[int]] = field(default_factory=list)  # a draft tree's nodes as rank paths (tree.py)
     tree_tokens: list[int] = field(default_factory=list)  # the token of each of those nodes
     accept_tests: list[AcceptTest] = field(default_factory=list)  # sampling: every draft tried, in order
-    conditioned: bool = False  # a sampler head drafted: draft 1 conditioned on t, draft j on draft j - 1 (head.py)
+    conditioned: bool = False  # a sampler head drafted: draft 1 conditioned on t (a fused iteration: on the bonus
+    # before it), draft j on draft j - 1 (head.py)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -36,9 +36,10 @@ class Verdict:
 def verify_chain(sat_model: SatModel, chooser: TokenChooser, cache, start: int, drafts: torch.Tensor,
                  q: torch.Tensor | None, draft_next: int = 0) -> Verdict:
     """Feed [start, d_1..d_n]; accept the longest prefix the model agrees with (greedy), or by speculative
-    sampling with q (n, V). With `draft_next` = k the same pass also drafts the next k tokens (the fused
-    scheme): one run of k SATs is anchored at each of start, d_1..d_n, one branch per possible accepted
-    length a; once verification has fixed a, the run anchored at d_a has seen exactly the accepted context.
+    sampling with q (n, V). With `draft_next` = k the same pass also runs the SATs for the next k drafts (the
+    fused scheme): one run of k SATs is anchored at each of start, d_1..d_n, one branch per possible accepted
+    length a; once verification has fixed a, the run anchored at d_a has seen exactly the accepted context, and
+    the Verdict carries its logits and hidden states (the drafter chooses the drafts once it knows the bonus).
     """
     if draft_next:
         return _verify_fused(sat_model, chooser, cache, start, drafts, q, draft_next)

@@ -95,6 +95,16 @@ def test_greedy_with_the_head_equals_vanilla():
         assert all(step.conditioned for step in result.steps if step.draft_pass or scheme == "fused")
 
 
+def test_the_cost_curve_times_draft_and_fused_passes_with_the_heads_drafts():
+    """On a model with a sampler head the curve times draft and fused passes as decoding runs them, the head's
+    drafts included, for each k."""
+    from sdsat.costs import measure_curve
+
+    curve = measure_curve(tiny_sat_model(head=True), widths=(1, 2), drafts=2, context=8, repeats=1, trees=False)
+    assert set(curve.draft) == set(curve.fused) == {1, 2}
+    assert all(s > 0 for s in [*curve.draft.values(), *curve.fused.values()])
+
+
 def test_the_fused_schemes_later_drafts_are_the_heads_given_the_bonus_token():
     """After a fused verify pass, the next drafts are the head's over the SAT run anchored at the last accepted
     token, draft 1 conditioned on that pass's bonus token: greedy, each is the top of the head's own logits for its
@@ -222,15 +232,18 @@ def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k
 @pytest.mark.parametrize("scheme", ["two_step", "fused"])
 def test_a_head_that_misreports_q_fails_the_same_test(monkeypatch, scheme):
     """Drafts drawn from the head but tested against the SATs' own q (the q a blind drafter would report)
-    shift the output beyond the test's tolerance: the test has power over the head's q."""
+    shift the output beyond the test's tolerance: the test has power over the head's q. In the fused scheme only
+    the drafts after a verify pass misreport (the first draft pass's history is the prompt alone), at k = 1, so
+    that those later drafts decide most positions."""
     honest = head_drafts
 
     def misreported(head, hidden, logits, t, embed_in, embed_out, warp, draw, history=()):
-        _, drafts = honest(head, hidden, logits, t, embed_in, embed_out, warp, draw, history)
-        return warp(logits), drafts
+        q, drafts = honest(head, hidden, logits, t, embed_in, embed_out, warp, draw, history)
+        later = len(history) > len(PROMPT)
+        return (warp(logits) if scheme == "two_step" or later else q), drafts
 
     monkeypatch.setattr(drafters, "head_drafts", misreported)
-    p = p_values(tiny_sat_model(head=True), 3, dict(temperature=1.3), scheme=scheme)
+    p = p_values(tiny_sat_model(head=True), 3 if scheme == "two_step" else 1, dict(temperature=1.3), scheme=scheme)
     assert min(p) < ALPHA, p
 
 

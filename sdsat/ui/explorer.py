@@ -99,8 +99,8 @@ def _head(v: _View, iterations: int) -> str:
             + (f"{v.k} tokens copied by prompt lookup" if v.copied else f"k = {v.k} adaptive tokens")
             + (f" · the verify pass checked {step.candidates} candidates (a draft tree: the SATs' runner-ups too); "
                "shown is the path it walked" if step.candidates > len(step.drafts) else "")
-            + (" · drafts from the sampler head: d1 conditioned on t, each later draft on the one before it"
-               if step.conditioned else "")
+            + (f" · drafts from the sampler head: d1 conditioned on {'t' if step.draft_pass else 'c'}, each later "
+               "draft on the one before it" if step.conditioned else "")
             + f' · cache {step.kv_len_before} → {step.kv_len} tokens · {passes} · emitted <b>{len(step.tokens)}</b> '
             f'tokens for {step.forward_passes} forward pass{"es" if v.drafted else ""}</div>')
 
@@ -147,11 +147,11 @@ def _draft_rows(v: _View) -> list[tuple[str, list[str]]]:
 
 
 def _conditioned_on(step: StepRecord, j: int, long: bool = False) -> str:
-    """What draft j was conditioned on: with a sampler head, t for draft 1, the draft before it after that; a
-    SAT alone sees neither."""
+    """What draft j was conditioned on: with a sampler head, the token before the drafts for draft 1 (t after a
+    draft pass; c, the last bonus, in a fused iteration), the draft before it after that; a SAT alone sees neither."""
     if not step.conditioned:
         return ", blind to t and to the drafts before it" if long and step.draft_pass else ""
-    before = "t" if j == 1 else f"d{j - 1}"
+    before = ("t" if step.draft_pass else "c") if j == 1 else f"d{j - 1}"
     return f", by the sampler head, conditioned on {before}" if long else f" · after {before}"
 
 
