@@ -8,8 +8,8 @@ true next tokens among each SAT's choices; and per sampling setting, pass rates 
 per prompt. Replaying the decoders' rules over it (prompt lookup from the real history, greedy or
 sampled; the tree walk over the real ranks, or the measured pass rates) gives each candidate setting's tokens and
 pass time per prompt; the planner takes the setting with the best median predicted speed-up over
-the fastest vanilla decoding (which may run in another precision). The choice is deterministic for
-a given curve and trace.
+the fastest vanilla decoding (which may run in another precision; a plan in a precision other than its
+counts PRECISION_MARGIN lower). The choice is deterministic for a given curve and trace.
 """
 
 from __future__ import annotations
@@ -338,7 +338,8 @@ def choose(curves: list[CostCurve], trace: Trace, max_k: int, greedy: bool = Tru
            usable: set[str] | None = None, schemes: tuple[str, ...] = SCHEMES,
            baseline: tuple[str, float] | None = None, names: dict[str, str] | None = None,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Plan:
-    """The setting and precision with the best predicted speed-up over the fastest vanilla decoding.
+    """The setting and precision with the best predicted speed-up over the fastest vanilla decoding, a precision
+    other than that vanilla's ranked by its speed-up less PRECISION_MARGIN, ties (MARGIN) broken as commented below.
 
     `usable`: the precisions SDSAT may decode in (tuning.py's rule); `baseline`: the fastest vanilla
     decoding as (name, seconds per token), by default the fastest one-token pass among `curves`, usable
