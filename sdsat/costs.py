@@ -23,11 +23,11 @@ from . import timing
 from .compute import compute_thread
 from .drafters import DraftContext, conditioned_draft_pass, sat_drafts
 from .kvcache import behind_cache, new_cache, rollback
-from .layout import SatLayout
 from .records import StepRecord
 from .sampling import SamplingConfig, TokenChooser
 from .sat import SatModel
 from .tree import MAX_EXTRA, DraftTree
+from .verify import fused_block
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)  # plain block sizes timed; others take the next timed one
 CONTEXT = 256  # tokens in the KV cache while timing: a prompt and some output, as when decoding
@@ -238,12 +238,8 @@ def _timed_block(kind: str, size: int, tree_k: int, context: int, vocab: int, ge
     """The inputs of one timed pass behind `context` cached tokens: SatModel.forward's (a fused pass's go to
     `hidden_states`; of a draft pass's, the first token is the pending one `conditioned_draft_pass` feeds)."""
     if kind == "fused":
-        layout = SatLayout.runs_at(size + 1, torch.arange(size + 1), size)
-        ids = torch.cat([torch.randint(0, vocab, (1 + size,), generator=gen),
-                         torch.zeros(layout.num_sats, dtype=torch.long)])[None].to(device)
-        return dict(input_ids=ids, sat_slots=layout.sat_slots.to(device),
-                    attention_mask=behind_cache(layout.attention_mask(), context, device),
-                    position_ids=layout.position_ids.to(device) + context)
+        tokens = torch.randint(0, vocab, (1 + size,), generator=gen)
+        return fused_block(int(tokens[0]), tokens[1:], size, context, device)
     if kind == "tree":
         tree = DraftTree.for_k(tree_k, size)
         ids = torch.randint(0, vocab, (1, 1 + len(tree.paths)), generator=gen).to(device)

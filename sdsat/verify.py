@@ -53,16 +53,22 @@ def verify_chain(sat_model: SatModel, chooser: TokenChooser, cache, start: int, 
     return Verdict(p=p, accepted=accepted, bonus=bonus, shown=drafts.tolist(), tests=tests)
 
 
+def fused_block(start: int, drafts: torch.Tensor, k: int, base: int, device) -> dict:
+    """SatModel's inputs for a fused pass behind `base` cached tokens: [start, drafts] and a run of k SATs anchored
+    at each of those tokens."""
+    n = len(drafts)
+    layout = SatLayout.runs_at(n + 1, torch.arange(n + 1), k)
+    block = torch.cat([torch.tensor([start], device=device), drafts.to(device),
+                       torch.zeros(layout.num_sats, dtype=torch.long, device=device)])
+    return dict(input_ids=block[None], sat_slots=layout.sat_slots.to(device),
+                attention_mask=behind_cache(layout.attention_mask(), base, device),
+                position_ids=layout.position_ids.to(device) + base)
+
+
 def _verify_fused(sat_model: SatModel, chooser: TokenChooser, cache, start: int, drafts: torch.Tensor,
                   q: torch.Tensor, k: int) -> Verdict:
-    device = sat_model.device
     n, base = len(drafts), cache.get_seq_length()
-    layout = SatLayout.runs_at(n + 1, torch.arange(n + 1), k)
-    block = torch.cat([torch.tensor([start], device=device), drafts,
-                       torch.zeros(layout.num_sats, dtype=torch.long, device=device)])
-    inputs = dict(input_ids=block[None], sat_slots=layout.sat_slots.to(device), cache=cache,
-                  attention_mask=behind_cache(layout.attention_mask(), base, device),
-                  position_ids=layout.position_ids.to(device) + base)
+    inputs = fused_block(start, drafts, k, base, sat_model.device) | dict(cache=cache)
     # Only the n + 1 verify rows and the k rows of one branch need logits: projecting just those onto
     # the vocabulary skips most of the largest matrix's rows.
     if sat_model.plain_head:
