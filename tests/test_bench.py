@@ -532,10 +532,11 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
         args = argparse.Namespace(methods=list(methods), baseline_precisions=list(precisions))
         return cli.baseline_precisions(args, engine)
 
-    # Without a tuning: the routed form a plain start loads, and float32 is the main engine's already.
-    assert chosen("auto") == {"bfloat16": ROUTED}
+    # Without a tuning: another precision's engine takes the tuning kept for it (None: `_load_baselines`), and
+    # float32 is the main engine's already, in the routed form a plain start loads.
+    assert chosen("auto") == {"bfloat16": None}
     assert chosen("none") == {} and chosen("auto", methods=("sdsat_greedy",)) == {}
-    assert chosen("float16", "float32", "float16") == {"float16": ROUTED}
+    assert chosen("float16", "float32", "float16") == {"float16": None}
     # A tuning that timed bfloat16's row-invariant one-token pass faster than its routed one.
     engine.tuning = Tuning(forms={"bfloat16": INVARIANT}, vanilla_s={"bfloat16 routed": 0.04},
                            curves={"bfloat16": CostCurve("bfloat16", {1: 0.03})})
@@ -550,6 +551,40 @@ def test_baseline_precisions_are_the_tuners_in_their_fastest_form_besides_the_ma
         assert chosen("auto") == {"float32": ROUTED, "bfloat16": PER_ROW}
     with pytest.raises(SystemExit):
         cli.parse_args(["--baseline-precisions", "auto", "bfloat16"])
+
+
+def test_a_baseline_the_main_tuning_did_not_time_takes_the_fastest_form_kept_for_its_precision(monkeypatch,
+                                                                                                tiny_llama):
+    """With --dtype float32 the main engine tunes float32 alone; vanilla in bfloat16 must still run in the form the
+    tuning kept for bfloat16 timed fastest (not the routed form, which can be far slower), else the routed one."""
+    import argparse
+    import types
+
+    from sdsat import engine as engine_module
+    from sdsat import tuning as tuning_module
+    from sdsat.costs import CostCurve
+    from sdsat.tuning import COMPILED, PER_ROW, Tuning
+
+    kept = {"tuning": Tuning(forms={"bfloat16": COMPILED}, curves={"bfloat16": CostCurve("bfloat16", {1: 0.05})},
+                             vanilla_s={"bfloat16 routed": 0.07, "bfloat16 row-invariant per-row": 0.04})}
+    loaded = types.SimpleNamespace(model=tiny_llama, sat_model=types.SimpleNamespace(model=tiny_llama),
+                                   tune=lambda remeasure: kept["tuning"] if remeasure == "never" else None)
+    monkeypatch.setattr(engine_module.Engine, "load", classmethod(lambda cls, *a, **kw: loaded))
+    forms = []
+    monkeypatch.setattr(tuning_module, "set_precision", lambda sat_model, precision, kernels, form: forms.append(
+        (precision, form)))
+    args = argparse.Namespace(model=None, device="cpu", no_cpu_kernels=False, adapter=None)
+    assert cli._load_baselines(args, {"bfloat16": None}) == {"bfloat16": loaded}
+    assert forms == [("bfloat16", PER_ROW)]  # the fastest one-token pass of those kept for bfloat16
+    kept["tuning"].vanilla_s["bfloat16 routed"] = 0.03
+    forms.clear()
+    cli._load_baselines(args, {"bfloat16": None})
+    assert forms == []  # routed, as loaded: nothing to change
+    kept["tuning"] = None  # nothing kept for this machine: the routed form a plain start loads
+    cli._load_baselines(args, {"bfloat16": None})
+    assert forms == []
+    cli._load_baselines(args, {"bfloat16": COMPILED})  # a form the main tuning timed is taken as it is
+    assert forms == [("bfloat16", COMPILED)]
 
 
 def test_auto_recipe_decodes_with_the_plan_beside_vanilla_in_another_precision(tmp_path, monkeypatch):

@@ -254,16 +254,18 @@ def _prepare(args) -> _Bench:
     return _Bench(engine, baselines, config, variants, prompts, prompt_ids, skipped)
 
 
-def baseline_precisions(args, engine) -> dict[str, str]:
+def baseline_precisions(args, engine) -> dict[str, str | None]:
     """The precisions vanilla also runs in, each on an engine of its own, and the kernel form it runs in there
-    (tuning.ROUTED, tuning.ROUTED_COMPILED or one of EXACT_FORMS); none without vanilla.
+    (tuning.ROUTED, tuning.ROUTED_COMPILED or one of EXACT_FORMS; None: see below); none without vanilla.
 
     Each precision runs in the form the tuning timed fastest for a one-token pass, or the routed form a plain
-    start loads when there is no tuning (no auto recipe) or it did not time the routed form. The main engine's
+    start loads when it did not time the routed form. A precision the main engine's tuning did not time (none
+    without an auto recipe; one alone with --dtype) maps to None: its own engine then takes the form the tuning
+    kept for that precision on this machine, if any, else the routed one (`_load_baselines`). The main engine's
     own precision is among them only when that form is not the main engine's (tuning may have left it in a
     row-invariant form whose vanilla is slower than another form's).
     """
-    from ..tuning import EXACT_FORMS, ROUTED, dtype_name, form_of, precisions_to_try
+    from ..tuning import ROUTED, dtype_name, form_of, precisions_to_try
 
     if "vanilla" not in args.methods or args.baseline_precisions == ["none"]:
         return {}
@@ -272,22 +274,34 @@ def baseline_precisions(args, engine) -> dict[str, str]:
     tuning = getattr(engine, "tuning", None)
     forms = {}
     for precision in dict.fromkeys(wanted):
-        form = ROUTED
-        if tuning is not None and tuning.forms.get(precision) in EXACT_FORMS:
-            timed = tuning.forms_timed(precision)
-            if ROUTED in timed:
-                form = min(timed, key=timed.__getitem__)
+        form = _fastest_vanilla_form(tuning, precision)
+        if form is None and precision == dtype_name(engine.model):
+            form = ROUTED  # the main engine's own precision, untimed: the form a plain start loads
         if (precision, form) != (dtype_name(engine.model), form_of(engine.model)):
             forms[precision] = form
     return forms
 
 
-def _load_baselines(args, forms: dict[str, str]) -> dict:
+def _fastest_vanilla_form(tuning, precision: str) -> str | None:
+    """The form whose one-token pass `tuning` timed fastest in `precision`; None where it did not time that
+    precision (an engine loaded in one fixed precision tunes that one alone)."""
+    from ..tuning import EXACT_FORMS, ROUTED
+
+    if tuning is None or precision not in tuning.forms:
+        return None
+    if tuning.forms[precision] not in EXACT_FORMS:
+        return ROUTED
+    timed = tuning.forms_timed(precision)
+    return min(timed, key=timed.__getitem__) if ROUTED in timed else ROUTED
+
+
+def _load_baselines(args, forms: dict[str, str | None]) -> dict:
     """An engine per baseline precision, loaded as a plain start loads it (its own kernel plan for that
-    precision), then put in the form the tuning timed fastest where that is not the routed one."""
+    precision), then put in the form the tuning timed fastest where that is not the routed one (for a form of
+    None, the fastest that the tuning kept on this machine for that precision times)."""
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
-    from ..tuning import ROUTED, set_precision
+    from ..tuning import ROUTED, form_of, set_precision
 
     baselines = {}
     for precision, form in forms.items():
@@ -297,7 +311,9 @@ def _load_baselines(args, forms: dict[str, str]) -> dict:
                                                SatSource(adapter=args.adapter))
         except (ModelLoadError, ValueError) as err:
             raise _Refused(f"--baseline-precisions {precision}: {err}") from None
-        if form != ROUTED:  # a plain start's form is the routed one
+        if form is None:  # the main engine's tuning did not time this precision: the tuning kept for it, if any
+            form = _fastest_vanilla_form(baselines[precision].tune(remeasure="never"), precision) or ROUTED
+        if form != ROUTED or form_of(baselines[precision].model) != ROUTED:  # a plain start's form is the routed one
             set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form)
     return baselines
 
