@@ -27,6 +27,7 @@ loading is the exact inverse of saving. Training: sdsat/train/head.py.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from . import native
 
 HEAD_CONFIG_FILE = "sampler_head.json"
 COMBINED_TERMS = 6  # what the combiner reads per candidate (`SamplerHead.combine`)
@@ -202,7 +205,9 @@ class SamplerHead(nn.Module):
         j's (1, K) scores after t (j = 0) or after candidate i of row j - 1, given the text's counts at that point
         (lists of K, `TextCounts.after_last`; None where the head does not read them), equal to `scores` up to
         rounding. A draft pass calls it once per draft, in sequence, so its ops are few: each costs about as much
-        to set up as to run at this size (docs/results.md, "The sampler head's share of a draft pass")."""
+        to set up as to run at this size (docs/results.md, "The sampler head's share of a draft pass"); on a CPU
+        where the project's kernels are built, a float32 head with one hidden layer scores each draft in one compiled
+        call (`native_scores`)."""
         k, top, device = *cand.shape, cand.device  # top: K
         config, slots = self.config, [min(j, self.config.num_sats - 1) for j in range(k)]
         rows = torch.tensor([0] + [j for j in range(1, k) for _ in range(top)], device=device)  # each option's row
@@ -228,9 +233,27 @@ class SamplerHead(nn.Module):
             combine_in, combine_out = self.combine_in.weight.T, self.combine_out.weight[0]
             no_counts = torch.zeros(2, top, device=device)
         prev_ids = prevs.tolist()
+        kernel = native_scores() if config.width and config.depth == 1 and device.type == "cpu" and (
+            embed_in.dtype in (torch.float32, torch.bfloat16)
+            and all(p.dtype == torch.float32 for p in self.parameters())) else None
+        if kernel is not None:  # what the compiled scores read besides each draft's own rows, once per pass
+            nothing = torch.empty(0)
+            combine_rows, *combined = ((combine_bias, self.combine_in.weight, combine_out.float(),
+                                        float(self.combine_out.bias)) if config.combiner
+                                       else (None, nothing, nothing, 0.0))
 
         def score(j: int, i: int, seen: list[int] | None = None, seen3: list[int] | None = None) -> torch.Tensor:
             at = 0 if j == 0 else 1 + (j - 1) * top + i
+            for on, name, value in ((config.context, "seen", seen), (config.context3, "seen3", seen3)):
+                if on and value is None:
+                    raise ValueError(f"this sampler head reads the context: pass `{name}`")
+            if kernel is not None:
+                return kernel.head_score(
+                    base[at], embed_in[prev_ids[at]], norm.weight, norm.bias, norm.eps, from_h[j], inp_prev,
+                    self.out.weight, self.out.bias, cand_out[j], seen if config.context else [],
+                    seen3 if config.context3 else [], count_weights[j], z_gap[j] if config.combiner else nothing,
+                    pair[at] if config.combiner else nothing,
+                    nothing if combine_rows is None else combine_rows[j], *combined)
             scores = base[at]
             if config.width:
                 x = nn.functional.layer_norm(embed_in[prev_ids[at]].to(dtype), norm.normalized_shape, norm.weight,
@@ -241,11 +264,8 @@ class SamplerHead(nn.Module):
                 mlp = cand_out[j] @ torch.addmv(self.out.bias, self.out.weight, x).float()
                 scores = scores + mlp
             if reads:
-                read = []
-                for on, name, value in ((config.context, "seen", seen), (config.context3, "seen3", seen3)):
-                    if on and value is None:
-                        raise ValueError(f"this sampler head reads the context: pass `{name}`")
-                    read.append(value if on else [0] * top)  # a term not read counts 0, as in `combine`
+                # a term not read counts 0, as in `combine`
+                read = [value if on else [0] * top for on, value in ((config.context, seen), (config.context3, seen3))]
                 counts = torch.tensor(read, dtype=torch.float32, device=device).log1p_()  # (2, K)
                 scores = torch.addmv(scores, counts.T, count_weights[j])
             if not config.combiner:
@@ -329,6 +349,15 @@ class SamplerHead(nn.Module):
         except RuntimeError as err:
             raise ValueError(f"sampler head in {folder} does not match its {HEAD_CONFIG_FILE} ({err})") from err
         return head.eval()
+
+
+def native_scores():
+    """The compiled per-draft scores (csrc/head_score.cpp) where the project's kernels are built; None while they are
+    not, or where SDSAT_HEAD_KERNEL=0 keeps PyTorch's ops (the same scores to float32 rounding)."""
+    if os.environ.get("SDSAT_HEAD_KERNEL", "1") == "0":
+        return None
+    kernels = native.module()
+    return kernels if hasattr(kernels, "head_score") else None
 
 
 def head_beside(adapter_folder: str | Path | None) -> SamplerHead | None:

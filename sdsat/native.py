@@ -1,8 +1,9 @@
 """The project's C++ kernels for the CPU (sdsat/csrc), compiled on the machine that runs them.
 
-Three kernels share one extension: the SAT rows' low-rank update (`sat_kernel.py`), the compiled form's
-attention (`attention.py`) and a row-invariant matrix product (`cpu_kernels.py`). The first two are small arithmetic
-where PyTorch's per-op setup costs more than the work; the product reads bfloat16 weights where oneDNN cannot.
+Four kernels share one extension: the SAT rows' low-rank update (`sat_kernel.py`), the compiled form's
+attention (`attention.py`), a row-invariant matrix product (`cpu_kernels.py`) and the sampler head's per-draft
+scores (`head.py`). The update, the attention and the head's scores are small arithmetic where PyTorch's per-op setup
+costs more than the work; the product reads bfloat16 weights where oneDNN cannot.
 They are compiled with `-march=native` by torch's C++ extension loader (which needs a C++ compiler and ninja)
 into the cache folder, keyed by the sources, torch's version and the CPU, so another machine sharing the folder
 builds its own. Compiling takes about half a minute on two cores, so it never sits on a first start's path:
@@ -28,7 +29,7 @@ from .default_model import cache_dir
 log = logging.getLogger(__name__)
 
 # compiled as one unit, in this order
-SOURCES = ("vectors.h", "sat_update.cpp", "attend.cpp", "linear.cpp", "bindings.cpp")
+SOURCES = ("vectors.h", "sat_update.cpp", "attend.cpp", "linear.cpp", "head_score.cpp", "bindings.cpp")
 # OpenMP: ATen's parallel_for is inline and runs its loop on one thread unless compiled with it; the library links
 # by soname to the libgomp torch has loaded, so the kernels share torch's threads and their count
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

@@ -15,6 +15,9 @@ os.environ.setdefault("SDSAT_ATTENTION_KERNEL", "0")
 # The compiled row-invariant product (sdsat/csrc/linear.cpp) likewise: a tuning would build the kernels, and which
 # product a test ran would hang on whether another worker had built them; tests that need it turn it on.
 os.environ.setdefault("SDSAT_LINEAR_KERNEL", "0")
+# The sampler head's compiled scores (sdsat/csrc/head_score.cpp) likewise: once a worker has built the kernels, a head
+# test would otherwise take them or not by the order tests ran; tests that need them turn them on.
+os.environ.setdefault("SDSAT_HEAD_KERNEL", "0")
 
 # pytest-xdist's workers share the cores: each worker, and every process it starts, gets its share of them.
 # Two pools of OpenMP workers that spin-wait on the same cores slow each other several-fold (a test that
@@ -86,10 +89,11 @@ def tree_seen(parents: list[int], cached: int) -> torch.Tensor:
 
 @pytest.fixture
 def native_kernels(monkeypatch):
-    """The compiled kernels (sdsat/native.py) with all three switched on; skipped where they cannot be built."""
+    """The compiled kernels (sdsat/native.py) with all four switched on; skipped where they cannot be built."""
     from sdsat import native
 
     monkeypatch.setenv("SDSAT_SAT_KERNEL", "1")
+    monkeypatch.setenv("SDSAT_HEAD_KERNEL", "1")
     monkeypatch.setenv("SDSAT_ATTENTION_KERNEL", "1")
     monkeypatch.setenv("SDSAT_LINEAR_KERNEL", "1")
     module = native.build()

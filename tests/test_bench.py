@@ -573,6 +573,7 @@ def test_a_baseline_the_main_tuning_did_not_time_takes_the_fastest_form_kept_for
     forms = []
     monkeypatch.setattr(tuning_module, "set_precision", lambda sat_model, precision, kernels, form: forms.append(
         (precision, form)))
+    monkeypatch.setattr(tuning_module, "in_form", lambda sat_model, precision, kernels, form: False)
     args = argparse.Namespace(model=None, device="cpu", no_cpu_kernels=False, adapter=None)
     assert cli._load_baselines(args, {"bfloat16": None}) == {"bfloat16": loaded}
     assert forms == [("bfloat16", PER_ROW)]  # the fastest one-token pass of those kept for bfloat16

@@ -18,7 +18,7 @@ import sdsat.drafters as drafters
 from conftest import make_tiny_llama
 from sdsat.decoding import DecodeConfig, collect, decode
 from sdsat.drafters import DraftContext, conditioned_draft_pass
-from sdsat.head import HeadConfig, SamplerHead, head_beside, head_drafts
+from sdsat.head import HeadConfig, SamplerHead, head_beside, head_drafts, native_scores
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from sdsat.timing import Clock
@@ -182,14 +182,20 @@ def test_q_is_the_distribution_each_draft_was_drawn_from(settings):
             assert int(drafts[j]) == int(row[0].argmax())
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("mlp,context,k,combiner", [(False, True, 3, 0), (True, False, 3, 0), (False, False, 1, 0),
                                                     (True, True, 1, 0), (True, True, 3, 8), (False, False, 3, 8),
-                                                    (True, "pairs", 3, 8)])
-def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, combiner):
+                                                    (True, "pairs", 3, 8), (True, False, 3, 8)])
+def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, combiner, compiled, monkeypatch,
+                                                              request):
     """head_drafts scores a pass's rows with what they share computed once (SamplerHead.drafting, TextCounts): with
-    or without the MLP, the text's counts (pairs and triples, or pairs alone) and the combiner, k of 1 or 3, each
-    row's q equals the head's own logits for that row, given the drafts before it, warped (sampled at T 1.3, so
-    every candidate keeps mass)."""
+    or without the MLP, the text's counts (pairs and triples, pairs alone, or none) and the combiner, k of 1 or 3,
+    each row's q equals the head's own logits for that row, given the drafts before it, warped (sampled at T 1.3, so
+    every candidate keeps mass). `compiled`: each draft's scores from the compiled kernel (csrc/head_score.cpp),
+    which serves a head with an MLP; otherwise PyTorch's ops."""
+    if compiled and not mlp:
+        pytest.skip("the compiled scores serve heads with an MLP")
+    calls = compiled_calls(monkeypatch, request, compiled)
     sat_model = tiny_sat_model(head=True, combiner=combiner)
     head = sat_model.sampler
     head.config.context, head.config.context3 = bool(context), context is True
@@ -214,6 +220,50 @@ def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, c
                               embed_out, text, torch.tensor([end]))
             assert torch.allclose(chooser.probs(row)[0], q[j], atol=1e-6)
             assert q[j, drafts[j]] > 0
+    assert calls == ([None] * k if compiled else [])  # one compiled call per draft, or none
+
+
+def compiled_calls(monkeypatch, request, compiled: bool) -> list:
+    """Turn the head's compiled scores on (building the kernels, or skipping where they cannot be built) or off; the
+    list returned grows by one item per compiled call."""
+    from sdsat import head as head_module
+
+    if compiled:
+        request.getfixturevalue("native_kernels")
+    monkeypatch.setenv("SDSAT_HEAD_KERNEL", "1" if compiled else "0")
+    kernels, calls = native_scores(), []  # the real lookup (a test may have patched the module's before)
+    assert (kernels is not None) == compiled
+
+    class Counted:
+        def head_score(self, *args):
+            calls.append(None)
+            return kernels.head_score(*args)
+
+    monkeypatch.setattr(head_module, "native_scores", lambda: Counted() if kernels is not None else None)
+    return calls
+
+
+def test_the_compiled_scores_read_a_bfloat16_embedding_as_the_ops_do(monkeypatch, request):
+    """A bfloat16 model's input embeddings (the shipped model decodes in bfloat16): the compiled scores widen the
+    token's row as PyTorch's ops do, so each draft's q is the same either way."""
+    sat_model = tiny_sat_model(head=True, combiner=8)
+    model, head = sat_model.model, sat_model.sampler
+    embed_in = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    embed_out = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    chooser = TokenChooser(SamplingConfig(do_sample=True, temperature=1.3, seed=2), sat_model.device)
+    history = PROMPT + [6, 2, 3, 6, 2, 1, 6]
+    with torch.inference_mode():
+        ids = torch.tensor([history + [0] * 3])
+        hidden = sat_model.hidden_states(ids, torch.tensor([[-1] * len(history) + [0, 1, 2]]))[0, -3:]
+        logits = sat_model.head(hidden)
+        qs = {}
+        for compiled in (False, True):
+            calls = compiled_calls(monkeypatch, request, compiled)
+            chooser.generator.manual_seed(5)
+            qs[compiled] = head_drafts(head, hidden, logits, 2, embed_in, embed_out, chooser.probs, chooser.draw,
+                                       history)
+            assert len(calls) == (3 if compiled else 0)
+    assert torch.equal(qs[False][1], qs[True][1]) and torch.allclose(qs[False][0], qs[True][0], atol=1e-6)
 
 
 @pytest.mark.parametrize("name,k,extra,settings,combiner", [
@@ -221,12 +271,17 @@ def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, c
     ("chain-t0.7-topp0.9-k2", 2, 0, dict(temperature=0.7, top_p=0.9), 0),
     ("tree-t1-k2", 2, 3, dict(temperature=1.0), 0),
     ("chain-t1.3-k3-combiner", 3, 0, dict(temperature=1.3), 8),
+    ("chain-t1.3-k3-combiner-compiled", 3, 0, dict(temperature=1.3), 8),
     ("fused-t1.3-k2", 2, 0, dict(temperature=1.3), 0),
 ])
-def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings, combiner):
+def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings, combiner,
+                                                                          monkeypatch, request):
+    """Each draft's scores from the compiled kernel where the name says so, else from PyTorch's ops."""
+    calls = compiled_calls(monkeypatch, request, name.endswith("compiled"))
     scheme = "fused" if name.startswith("fused") else "two_step"
     p = p_values(tiny_sat_model(head=True, combiner=combiner), k, settings, extra, scheme)
     assert min(p) > ALPHA, p
+    assert bool(calls) == name.endswith("compiled")
 
 
 @pytest.mark.parametrize("scheme", ["two_step", "fused"])

@@ -259,9 +259,10 @@ def baseline_precisions(args, engine) -> dict[str, str | None]:
     (tuning.ROUTED, tuning.ROUTED_COMPILED or one of EXACT_FORMS; None: see below); none without vanilla.
 
     Each precision runs in the form the tuning timed fastest for a one-token pass, or the routed form a plain
-    start loads when it did not time the routed form. A precision the main engine's tuning did not time (none
-    without an auto recipe; one alone with --dtype) maps to None: its own engine then takes the form the tuning
-    kept for that precision on this machine, if any, else the routed one (`_load_baselines`). The main engine's
+    start loads when it did not time the routed form. Another precision the main engine's tuning did not time
+    (every one without an auto recipe; all but one with --dtype) maps to None: its own engine then takes the form
+    the tuning kept for that precision on this machine, if any, else the routed one (`_load_baselines`). The main
+    engine's own precision, untimed, stays in the routed form its vanilla decodes in. The main engine's
     own precision is among them only when that form is not the main engine's (tuning may have left it in a
     row-invariant form whose vanilla is slower than another form's).
     """
@@ -301,7 +302,7 @@ def _load_baselines(args, forms: dict[str, str | None]) -> dict:
     None, the fastest that the tuning kept on this machine for that precision times)."""
     from ..engine import Engine, SatSource
     from ..models import DEFAULT_MODEL, LoadConfig, ModelLoadError
-    from ..tuning import ROUTED, form_of, set_precision
+    from ..tuning import ROUTED, form_of, in_form, set_precision
 
     baselines = {}
     for precision, form in forms.items():
@@ -313,8 +314,10 @@ def _load_baselines(args, forms: dict[str, str | None]) -> dict:
             raise _Refused(f"--baseline-precisions {precision}: {err}") from None
         if form is None:  # the main engine's tuning did not time this precision: the tuning kept for it, if any
             form = _fastest_vanilla_form(baselines[precision].tune(remeasure="never"), precision) or ROUTED
-        if form != ROUTED or form_of(baselines[precision].model) != ROUTED:  # a plain start's form is the routed one
-            set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form)
+        # a plain start's form is the routed one; reading a kept tuning may have moved it to the tuning's own
+        if form != ROUTED or form_of(baselines[precision].model) != ROUTED:
+            if not in_form(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form):
+                set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form)
     return baselines
 
 

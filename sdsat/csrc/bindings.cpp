@@ -6,5 +6,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every row of a pass over exactly its keys (attend.cpp)");
   m.def("linear", &linear, py::call_guard<py::gil_scoped_release>(),
         "x W^T with each output's sum in one fixed order for any number of rows (linear.cpp)");
+  m.def("head_score", &head_score, "one draft's candidate scores from the sampler head (head_score.cpp)");
   m.def("applies", &applies, "whether attend takes a model with these heads and head size");
 }
