@@ -233,9 +233,11 @@ class SamplerHead(nn.Module):
             combine_in, combine_out = self.combine_in.weight.T, self.combine_out.weight[0]
             no_counts = torch.zeros(2, top, device=device)
         prev_ids = prevs.tolist()
+        # float32 weights, checked on a few (a walk over every parameter costs a draft pass tens of microseconds, and
+        # .to() moves them together)
         kernel = native_scores() if config.width and config.depth == 1 and device.type == "cpu" and (
             embed_in.dtype in (torch.float32, torch.bfloat16)
-            and all(p.dtype == torch.float32 for p in self.parameters())) else None
+            and all(w.dtype == torch.float32 for w in (self.pair_weight, self.inp.weight, self.out.weight))) else None
         if kernel is not None:  # what the compiled scores read besides each draft's own rows, once per pass
             nothing = torch.empty(0)
             combine_rows, *combined = ((combine_bias, self.combine_in.weight, combine_out.float(),

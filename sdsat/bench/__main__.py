@@ -315,9 +315,10 @@ def _load_baselines(args, forms: dict[str, str | None]) -> dict:
         if form is None:  # the main engine's tuning did not time this precision: the tuning kept for it, if any
             form = _fastest_vanilla_form(baselines[precision].tune(remeasure="never"), precision) or ROUTED
         # a plain start's form is the routed one; reading a kept tuning may have moved it to the tuning's own
-        if form != ROUTED or form_of(baselines[precision].model) != ROUTED:
-            if not in_form(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form):
-                set_precision(baselines[precision].sat_model, precision, not args.no_cpu_kernels, form)
+        engine, kernels = baselines[precision], not args.no_cpu_kernels
+        if (form != ROUTED or form_of(engine.model) != ROUTED) and not in_form(engine.sat_model, precision, kernels,
+                                                                               form):
+            set_precision(engine.sat_model, precision, kernels, form)
     return baselines
 
 
