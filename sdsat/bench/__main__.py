@@ -316,8 +316,8 @@ def _load_baselines(args, forms: dict[str, str | None]) -> dict:
             form = _fastest_vanilla_form(baselines[precision].tune(remeasure="never"), precision) or ROUTED
         # a plain start's form is the routed one; reading a kept tuning may have moved it to the tuning's own
         engine, kernels = baselines[precision], not args.no_cpu_kernels
-        if (form != ROUTED or form_of(engine.model) != ROUTED) and not in_form(engine.sat_model, precision, kernels,
-                                                                               form):
+        off_routed = form != ROUTED or form_of(engine.model) != ROUTED  # wanted or current form not the plain one
+        if off_routed and not in_form(engine.sat_model, precision, kernels, form):
             set_precision(engine.sat_model, precision, kernels, form)
     return baselines
 
