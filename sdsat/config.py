@@ -31,6 +31,8 @@ class DecodeConfig:
     lookup_ngram: int = 2  # at least this many last tokens must recur (1 is too weak a hint on chat text)
     tree_candidates: int = 0  # SDSAT two_step: also verify this many of the SATs' runner-up candidates (greedy)
     # or further draws (sampling) in the verify pass: a draft tree, tree.py; 0: the chain (the paper)
+    lookup_gate: bool = True  # prompt lookup verifies copies only while they pay (drafters.LookupGate); False:
+    # every copy found, up to lookup_tokens (what the acceptance trace measures copies' pass rates with)
 
     @property
     def draft_positions(self) -> int:

@@ -11,7 +11,8 @@ the draft distribution q_j.
   or under sampling more draws of each SAT.
 * `PromptLookup`: where the last tokens occurred before, the tokens that followed them there (copies),
   verified right after the bonus token without a draft pass; otherwise a SAT drafter's draft pass,
-  and the copies after its token t if t completed a recurring n-gram.
+  and the copies after its token t if t completed a recurring n-gram. How many copies it verifies, and
+  whether it verifies them at all, follows how many it got right so far in this decode (`LookupGate`).
 * `Fused`: each verify pass also drafts the next block, so after the first iteration there is no
   draft pass at all.
 
@@ -41,6 +42,50 @@ from .verify import Verdict
 # Prompt lookup prefers the longest recurring suffix up to this many tokens: a longer match is a more
 # specific hint of what follows.
 LOOKUP_LONGEST_NGRAM = 4
+RECENT = 0.3  # the weight of the latest iteration in a drafter's running averages of what was accepted
+
+
+class LookupGate:
+    """When prompt lookup's copies are worth a verify pass, from how many were right so far in this decode.
+
+    A verify pass costs more the more tokens it checks, and copies pay only where the text repeats: on text that
+    does not, a pass of ten copies yields the one token a plain pass would. So the copies verified are at most two
+    more than the running average right (rounded down, as SatChain's adaptive k adds two to its average), copies
+    are verified without a draft pass only while that average is at least one, and in place of the SAT drafts only
+    while it is at least the drafts' average. Copies found but not verified are still scored against the tokens the
+    iteration gave, so a text that starts repeating turns lookup back on. Before any copies are scored every copy
+    is verified. The planner's replays (planner.py) use this same gate, so a plan prices the lookup a decode will do.
+    """
+
+    def __init__(self, max_tokens: int, k: int, open_always: bool = False):
+        self.max_tokens, self.open_always = max_tokens, open_always  # open_always: every copy, as before the gate
+        self.copies_right: float | None = None  # running average of copies right per lookup; None: none scored
+        self.drafts_right = float(k)  # running average of SAT drafts accepted per verify pass
+
+    def length(self) -> int:
+        """How many copies to verify now."""
+        if self.copies_right is None or self.open_always:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, int(self.copies_right) + 2))
+
+    def pays(self, direct: bool) -> bool:
+        """Whether to verify copies: right after the bonus token (`direct`, no draft pass) or after t instead of
+        the SAT drafts."""
+        if self.copies_right is None or self.open_always:
+            return True
+        return self.copies_right >= (1.0 if direct else self.drafts_right)
+
+    def saw_copies(self, right: float) -> None:
+        self.copies_right = right if self.copies_right is None else (
+            (1 - RECENT) * self.copies_right + RECENT * right)
+
+    def saw_drafts(self, accepted: float) -> None:
+        self.drafts_right = (1 - RECENT) * self.drafts_right + RECENT * accepted
+
+
+def leading_matches(copies: list[int], produced: list[int]) -> int:
+    """How many leading copies equal the tokens produced from the same place (at most the produced ones)."""
+    return next((i for i, (c, p) in enumerate(zip(copies, produced)) if c != p), min(len(copies), len(produced)))
 
 
 @dataclass
@@ -155,7 +200,7 @@ class SatChain:
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
         if self.adaptive and not proposal.is_copy:
-            self.recent = 0.7 * self.recent + 0.3 * verdict.accepted
+            self.recent = (1 - RECENT) * self.recent + RECENT * verdict.accepted
             self.k = max(1, min(self.k_max, round(self.recent) + 2))
 
 
@@ -179,28 +224,45 @@ class SatTree(SatChain):
 
 
 class PromptLookup:
-    """Copies of what followed the last tokens' first earlier occurrence, else `sats`' drafts."""
+    """Copies of what followed the last tokens' first earlier occurrence, else `sats`' drafts; `LookupGate` decides
+    how many copies, and whether they are worth verifying."""
 
-    def __init__(self, sats: SatChain, max_tokens: int, ngram: int):
+    def __init__(self, sats: SatChain, max_tokens: int, ngram: int, gated: bool = True):
         self.sats, self.max_tokens, self.ngram = sats, max_tokens, ngram
+        self.gate = LookupGate(max_tokens, sats.k, open_always=not gated)
+        self._unverified: tuple[list[int], bool] | None = None  # copies found but not verified: (copies, direct)
 
     def propose(self, ctx: DraftContext) -> Proposal:
+        self._unverified = None
         # The bonus token may complete a recurring n-gram: verify its copies at once, without a draft pass.
         copies = self._copies(ctx.history, ctx.room) if len(ctx.pending) == 1 else []
+        if copies and self.gate.pays(direct=True):
+            return self._copy_proposal(ctx, "lookup_direct", ctx.pending[0], copies[:self.gate.length()])
         if copies:
-            return self._copy_proposal(ctx, "lookup_direct", ctx.pending[0], copies)
+            self._unverified = (copies, True)
         proposal = self.sats.propose(ctx)
         # The draft pass's t may complete one: its copies are then a better bet than the SAT drafts.
         copies = self._copies(ctx.history + proposal.certain, ctx.room - 1)
         if not copies:
             return proposal
-        after = self._copy_proposal(ctx, "lookup_after_draft", proposal.start, copies)
+        if not self.gate.pays(direct=False):
+            self._unverified = (copies, False)
+            return proposal
+        after = self._copy_proposal(ctx, "lookup_after_draft", proposal.start, copies[:self.gate.length()])
         after.certain, after.certain_probs = proposal.certain, proposal.certain_probs
         after.draft_pass_seconds = proposal.draft_pass_seconds
         return after
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:
         self.sats.observe(proposal, verdict)
+        if proposal.is_copy:
+            self.gate.saw_copies(verdict.accepted)
+            return
+        self.gate.saw_drafts(verdict.accepted)
+        if self._unverified is not None:  # what the copies would have given: the tokens after where they start
+            copies, direct = self._unverified
+            produced = (proposal.certain if direct else []) + verdict.shown[:verdict.accepted] + [verdict.bonus]
+            self.gate.saw_copies(leading_matches(copies, produced))
 
     def _copies(self, history: list[int], room: int) -> list[int]:
         return lookup_continuation(history, self.ngram, min(self.max_tokens, room)) if room > 0 else []
@@ -248,7 +310,8 @@ def drafter_for(config: DecodeConfig) -> Drafter:
     adaptive = config.adaptive_k
     tree = config.tree_candidates
     sats = SatTree(config.k, tree, adaptive) if tree else SatChain(config.k, adaptive)
-    return PromptLookup(sats, config.lookup_tokens, config.lookup_ngram) if config.lookup_tokens else sats
+    return (PromptLookup(sats, config.lookup_tokens, config.lookup_ngram, config.lookup_gate) if config.lookup_tokens
+            else sats)
 
 
 def lookup_continuation(history: list[int], ngram: int, max_tokens: int) -> list[int]:

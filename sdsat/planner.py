@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .config import SCHEMES
 from .costs import CostCurve
-from .drafters import lookup_continuation
+from .drafters import LookupGate, leading_matches, lookup_continuation
 from .tree import MAX_EXTRA, DraftTree
 
 TRACE_FILE = "acceptance.json"
@@ -224,19 +224,31 @@ def replay_sampled(trace: PromptTrace, settings: Settings, curve: CostCurve,
         chain = sampled.expected_drafts(DraftTree.for_k(k, 0))
         iterations = max(0.0, (total - 1) / (chain + 1))
         return total, 1 + round(iterations), curve.draft_s(k) + iterations * curve.fused_s(k)
+    gate = LookupGate(lookup, k)  # the decode's rules for its copies, on expected counts
     while n < total:
         width = copies(n) if n else 0
-        if width:  # lookup_direct
-            seconds, passes, n = seconds + curve.pass_s(1 + width), passes + 1, n + sampled.expected_copies(width) + 1
+        if width and gate.pays(direct=True):  # lookup_direct
+            width = min(width, gate.length())
+            right = sampled.expected_copies(width)
+            seconds, passes, n = seconds + curve.pass_s(1 + width), passes + 1, n + right + 1
+            gate.saw_copies(right)
             continue
+        unverified = (width, 2 + drafts) if width else None  # copies not verified, and the tokens they meet
         seconds, passes, n = seconds + curve.draft_s(k), passes + 1, n + 1
         if n >= total:
             break
         width = copies(n)
-        if width:  # lookup_after_draft
-            seconds, n = seconds + curve.pass_s(1 + width), n + sampled.expected_copies(width) + 1
+        if width and gate.pays(direct=False):  # lookup_after_draft
+            width = min(width, gate.length())
+            right = sampled.expected_copies(width)
+            seconds, n = seconds + curve.pass_s(1 + width), n + right + 1
+            gate.saw_copies(right)
         else:
+            unverified = (width, 1 + drafts) if width else unverified
             seconds, n = seconds + verify_s, n + drafts + 1
+            gate.saw_drafts(drafts)
+            if unverified:
+                gate.saw_copies(min(sampled.expected_copies(unverified[0]), unverified[1]))
         passes += 1
     return total, passes, seconds
 
@@ -250,13 +262,14 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
     n = passes = 0
     seconds = 0.0
 
-    def copied(at: int) -> tuple[int, int] | None:
-        """(copies verified, copies right) when prompt lookup finds the history's end earlier, else None."""
-        copies = trace.copies(at, lookup)[:total - at] if lookup and at < total else []
-        if not copies:
-            return None
-        right = next((i for i, c in enumerate(copies) if c != out[at + i]), len(copies))
-        return len(copies), right
+    def found(at: int) -> list[int]:
+        """Prompt lookup's copies where the history ends at `at` (none past the output's end)."""
+        return trace.copies(at, lookup)[:total - at] if lookup and at < total else []
+
+    def verified(copies: list[int], at: int, length: int) -> tuple[int, int]:
+        """(copies verified, copies right) of the first `length`."""
+        shown = copies[:length]
+        return len(shown), leading_matches(shown, out[at:at + len(shown)])
 
     if settings.scheme == "fused":
         # One draft pass, then passes that verify [start, k drafts] and anchor a run of k SATs after each of
@@ -269,27 +282,36 @@ def replay(trace: PromptTrace, settings: Settings, curve: CostCurve) -> tuple[in
             passes += 1
             n += a + 1
         return total, passes, seconds
+    gate = LookupGate(lookup, k)  # the decode's rules for its copies (drafters.PromptLookup)
     while n < total:
-        hit = copied(n) if n else None
-        if hit:  # lookup_direct: verify the copies at once, no draft pass
-            width, right = hit
+        copies = found(n) if n else []
+        if copies and gate.pays(direct=True):  # lookup_direct: verify the copies at once, no draft pass
+            width, right = verified(copies, n, gate.length())
             seconds += curve.pass_s(1 + width)
             passes += 1
+            gate.saw_copies(right)
             n += right + 1
             continue
+        unverified = (copies, n) if copies else None  # copies not verified, and where they start
         seconds += curve.draft_s(k)  # the draft pass: the sure token and k drafts
         passes += 1
         n += 1
         if n >= total:
             break
-        hit = copied(n)
-        if hit:  # lookup_after_draft
-            width, right = hit
+        copies = found(n)
+        if copies and gate.pays(direct=False):  # lookup_after_draft
+            width, right = verified(copies, n, gate.length())
             seconds += curve.pass_s(1 + width)
+            gate.saw_copies(right)
             n += right + 1
         else:
+            unverified = (copies, n) if copies else unverified
+            a = _accepted(tree, ranks[n - 1][:k])
             seconds += verify_s
-            n += _accepted(tree, ranks[n - 1][:k]) + 1
+            gate.saw_drafts(a)
+            if unverified:  # scored against the tokens this iteration gave from where they start
+                gate.saw_copies(leading_matches(unverified[0], out[unverified[1]:n + a + 1]))
+            n += a + 1
         passes += 1
     return total, passes, seconds
 

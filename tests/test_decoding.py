@@ -26,7 +26,7 @@ from conftest import make_tiny_llama
 from transformers import DynamicCache
 
 from sdsat.decoding import SCHEMES, DecodeConfig, GenerationResult, StepRecord, decode, collect
-from sdsat.drafters import lookup_continuation
+from sdsat.drafters import LookupGate, leading_matches, lookup_continuation
 from sdsat.verify import verify_tree
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
@@ -232,29 +232,40 @@ def test_greedy_sdsat_with_prompt_lookup_equals_vanilla(sat_model: SatModel):
             assert result.token_ids == reference, f"k={k} lookup={lookup} ngram={ngram} prompt={prompt}"
             check_records(result, prompt, sdsat=True, lookup=True)
             emitted: list[int] = []
+            gate = LookupGate(lookup, k)  # the rules the decoder follows, fed what each step shows
             for step in result.steps:
                 # Copies of what followed the recurring tail: found before any pass (then verified in one
                 # pass), or else after the draft pass's token (then verified in place of the SAT drafts);
-                # never more than the tokens still to emit, the bonus aside.
+                # never more than the tokens still to emit, the bonus aside, nor more than the gate lets through.
                 room = budget - len(emitted) - 1
                 before = (lookup_continuation(prompt + emitted, ngram, min(lookup, room))
                           if room > 0 and step.index else [])
                 after = (lookup_continuation(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1))
                          if room > 1 else [])
-                assert step.forward_passes == (1 if before else 2)
-                if before or after:
-                    assert (step.draft_source, step.drafts) == ("lookup", before or after)
+                direct = bool(before) and gate.pays(direct=True)
+                copied = direct or (bool(after) and gate.pays(direct=False))
+                assert step.forward_passes == (1 if direct else 2)
+                if copied:
+                    assert (step.draft_source, step.drafts) == ("lookup", (before if direct else after)[:gate.length()])
                     assert step.draft_probs == [1.0] * step.k
+                    gate.saw_copies(step.accepted)
                     stats["lookup accepted"] += step.accepted
                     stats["lookup rejected"] += len(step.rejected)
-                    stats["lookup after the draft pass"] += not before
+                    stats["lookup after the draft pass"] += not direct
+                    stats["copies cut short"] += step.k < len(before if direct else after)
                 else:
                     assert (step.draft_source, step.k) == ("sat", k)
+                    gate.saw_drafts(step.accepted)
+                    if after or before:  # found, not verified: scored against what the step gave from there
+                        gate.saw_copies(leading_matches(after, step.tokens[1:]) if after
+                                        else leading_matches(before, step.tokens))
+                        stats["copies not verified"] += 1
                 stats[step.draft_source] += 1
                 emitted += step.tokens
     assert stats["lookup"] > 20 and stats["sat"] > 20, stats  # both sources drafted
     assert stats["lookup accepted"] > 10 and stats["lookup rejected"] > 5, stats
     assert stats["lookup after the draft pass"] > 5, stats
+    assert stats["copies not verified"] > 5 and stats["copies cut short"] > 5, stats  # the gate acted both ways
 
 
 def test_head_of_hidden_states_is_forward_and_fused_works_without_it(sat_model: SatModel, monkeypatch):
@@ -720,3 +731,26 @@ def test_the_decoding_path_of_every_llama_layer_matches_the_training_path(per_po
         embeddings_only = sat_model.forward(ids, slots)
     assert not torch.allclose(decoding[0, 3:], embeddings_only[0, 3:], atol=1e-4)
     torch.testing.assert_close(embeddings_only, sat_model.forward(ids, slots).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_lookup_ungated_verifies_every_copy_it_finds(sat_model: SatModel):
+    """`lookup_gate=False` (how the acceptance trace measures copies): copies wherever lookup finds them, each time
+    up to lookup_tokens, as before the gate; the output is vanilla's either way."""
+    prompt = random_prompts(seed=3, count=1)[0]
+    prompt = prompt + prompt[:4]
+    budget, lookup, ngram = 24, 4, 1
+    reference = collect(decode(sat_model, TOKENIZER, prompt, greedy("vanilla", max_new_tokens=budget), [])).token_ids
+    config = replace(greedy("sdsat", 3, budget), lookup_tokens=lookup, lookup_ngram=ngram, lookup_gate=False)
+    result = collect(decode(sat_model, TOKENIZER, prompt, config, []))
+    assert result.token_ids == reference
+    emitted: list[int] = []
+    for step in result.steps:
+        room = budget - len(emitted) - 1
+        before = lookup_continuation(prompt + emitted, ngram, min(lookup, room)) if room > 0 and step.index else []
+        after = (lookup_continuation(prompt + emitted + step.tokens[:1], ngram, min(lookup, room - 1))
+                 if room > 1 else [])
+        if before or after:
+            assert (step.draft_source, step.drafts) == ("lookup", before or after)
+        else:
+            assert step.draft_source == "sat"
+        emitted += step.tokens

@@ -13,6 +13,7 @@ import pytest
 from sdsat.bench.acceptance import SAMPLED
 from sdsat.costs import CostCurve
 from sdsat.engine import DEFAULT_ADAPTER
+from sdsat.drafters import LookupGate, leading_matches
 from sdsat.planner import (MARGIN, MISSED, PRECISION_MARGIN, TRACE_FILE, PromptTrace, SampledAcceptance, Settings,
                            Trace, choose, predict, replay)
 from sdsat.tree import MAX_EXTRA, DraftTree
@@ -377,3 +378,58 @@ def test_chat_requests_plan_from_the_chat_trace_where_one_ships():
     assert tuning.plan_for(("two_step",)) is plan
     sampled = tuning.plan_for(("two_step",), greedy=False, chat=True)
     assert sampled.settings.k <= plan.settings.k and sampled is tuning.plan_for(("two_step",), greedy=False, chat=True)
+
+
+def test_lookup_gate_verifies_what_pays_and_reopens_when_copies_come_right():
+    """Before any copies are scored every copy is verified; copies that keep failing are cut to two more than
+    their running average right and then not verified at all (without a draft pass below one right, in place of
+    the SAT drafts below the drafts' average); copies scored right again, verified or not, turn lookup back on."""
+    gate = LookupGate(10, 3)
+    assert (gate.length(), gate.pays(direct=True), gate.pays(direct=False)) == (10, True, True)
+    gate.saw_copies(4)
+    assert gate.length() == 6 and gate.pays(direct=True) and gate.pays(direct=False)  # 4 right >= 3 drafts
+    for _ in range(3):
+        gate.saw_copies(0)
+    assert gate.copies_right == pytest.approx(4 * 0.7 ** 3)
+    assert gate.length() == 3 and gate.pays(direct=True) and not gate.pays(direct=False)
+    for _ in range(3):
+        gate.saw_drafts(0)  # the SAT drafts fail too: copies right 1.37 beat drafts 1.03
+    assert gate.pays(direct=False)
+    for _ in range(2):
+        gate.saw_copies(0)
+    assert gate.length() == 2 and not gate.pays(direct=True) and not gate.pays(direct=False)
+    for _ in range(4):
+        gate.saw_copies(8)
+    assert gate.length() == 8 and gate.pays(direct=True) and gate.pays(direct=False)
+    assert LookupGate(4, 3).length() == 4 and leading_matches([1, 2, 3], [1, 2, 9, 9]) == 2
+    assert leading_matches([1, 2, 3], [1, 2]) == 2 and leading_matches([], [1]) == 0
+
+
+def test_replay_stops_paying_for_copies_that_keep_failing():
+    """An output that never follows its prompt's repeats: lookup finds copies at every recurring pair, all wrong.
+    Ungated they would widen pass after pass; gated, the replay costs at most a few passes more than no lookup
+    on a steep curve; where the copies are right it still gains
+    (test_replay_uses_prompt_lookup_where_the_output_repeats_the_prompt)."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(1000) for _ in range(200)]
+    output = []
+    for n in range(40):  # a pair the prompt holds, then a token that never followed it there
+        at = rng.randrange(len(prompt) - 2)
+        output += [prompt[at], prompt[at + 1], 2000 + n]
+    ranks = [[MISSED] * 3 for _ in output]  # no SAT draft right either: two tokens an iteration
+    trace = PromptTrace(prompt, output, ranks)
+    steep = curve(lambda w: 1 + 0.3 * (w - 1))
+    plain = replay(trace, Settings(k=3), steep)[2]
+    gated = replay(trace, Settings(k=3, lookup_tokens=10), steep)[2]
+    assert all(trace.copies(3 * n + 2, 10) for n in range(39)), "copies after every pair"
+    assert gated < plain * 1.1
+
+
+def test_sampled_replay_stops_paying_for_copies_that_never_pass():
+    """Sampled text that repeats the prompt, but copies whose accept tests never pass: the sampled replay, through the
+    same gate, stops verifying them, where verifying ten each time would cost a steep curve's wide passes."""
+    trace = synthetic_trace(prompts=3, repeat=True)
+    steep = curve(lambda w: 1 + 0.3 * (w - 1))
+    never = sampled([[0.5], [0.5], [0.5]], copies=[0.0] * 10, outputs=[p.output_ids for p in trace.prompts])
+    lookup = predict(trace, Settings(k=3, lookup_tokens=10), steep, 0.04, never).speedup
+    assert lookup > 0.95 * predict(trace, Settings(k=3), steep, 0.04, never).speedup

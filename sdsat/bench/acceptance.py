@@ -75,9 +75,10 @@ def ranks_along(sat_model, prompt_ids: list[int], output_ids: list[int], depth: 
 def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k: int,
                        max_new_tokens: int) -> SampledAcceptance:
     """Pass rates of sampled accept tests over seeded decodes of `prompts` with k = the SATs' depth, every
-    runner-up of the draft tree and prompt lookup: per depth and try, and per copy. A sibling the tree had but
-    q could not supply (top-k / top-p left fewer tokens) counts as a failed try, as the planner's replay
-    assumes every sibling is there; a rate from fewer than MIN_TRIES tries is kept as 0."""
+    runner-up of the draft tree and prompt lookup, every copy found verified (no gate, so that each copy position is
+    tried wherever lookup finds one): per depth and try, and per copy. A sibling the tree had but q could not supply
+    (top-k / top-p left fewer tokens) counts as a failed try, as the planner's replay assumes every sibling is
+    there; a rate from fewer than MIN_TRIES tries is kept as 0."""
     from ..config import DecodeConfig
     from ..sampling import SamplingConfig
 
@@ -85,7 +86,7 @@ def sampled_acceptance(engine, prompts, temperature: float, top_p: float, top_k:
     outputs = []
     for seed, prompt in enumerate(prompts):
         config = DecodeConfig(method="sdsat", k=engine.max_k, max_new_tokens=max_new_tokens,
-                              tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS,
+                              tree_candidates=MAX_EXTRA, lookup_tokens=LOOKUP_TOKENS, lookup_gate=False,
                               sampling=SamplingConfig(do_sample=True, temperature=temperature, top_p=top_p,
                                                       top_k=top_k, seed=seed))
         result = engine.generate(prompt.text, config, chat=prompt.kind == "chat")
