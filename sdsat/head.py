@@ -6,19 +6,21 @@ rescores SAT j's own top-K candidates given the token before the draft (t for dr
 that), prev:
 
     score_c = z_j[c] + w_j log P(c | prev) + v_j log(1 + n(prev, c)) + x_j log(1 + n(prev2, prev, c))
-              + u_j . E_out[c]    for c in top-K(z_j)
+              + u_j . E_out[c] (+ g_j(terms of c)) + m_j log(1 + max(0, L(c) - 2))    for c in top-K(z_j)
     u_j     = MLP(h_j, E_in[prev], j)          z_j: the SAT's own logits, h_j: its final hidden state (after the norm)
 
 P(c | prev) is a bigram table counted over code and prose on the machine, n(prev, c) how often prev was
 followed by c earlier in this text (the prompt and what was decoded), n(prev2, prev, c) how often the two
-tokens before the draft were; each term is optional. A combiner may add g_j(terms of c): a small MLP over a
-candidate's terms (and its score's distance from the best), so that they may weigh each other. The shipped
-head rescores 32 candidates with the three table terms, an MLP of width 256 trained beside them once they had
-converged, and a combiner (its record, sampler_head_record.json, says how). u_j shifts h_j,
-so the last term is the logits row of h_j + u_j read at the K candidates only (a full-vocabulary product per
-draft, sequentially, would cost a sizeable part of a one-token pass on a CPU). The draft
-distribution q_j is the head's exact one: the sampler's warpers and softmax over its K candidates (its logits
-are -inf elsewhere), so the accept test min(1, p/q) and the residual stay exact.
+tokens before the draft were, L(c) the longest run of the text's last tokens (ending at prev, up to MATCH_CAP)
+that was followed by c earlier: the counts stop at two tokens, the match term goes on from three (prompt
+lookup's signal, as a score rather than a copy). Each term is optional. A combiner may add g_j(terms of c): a
+small MLP over a candidate's terms (and its score's distance from the best), so that they may weigh each other;
+the match term comes after it. The shipped head rescores 32 candidates with the three table terms, an MLP of
+width 256 trained beside them once they had converged, a combiner and the match term (its record,
+sampler_head_record.json, says how). u_j shifts h_j, so the MLP's term is the logits row of h_j + u_j read at the
+K candidates only (a full-vocabulary product per draft, sequentially, would cost a sizeable part of a one-token
+pass on a CPU). The draft distribution q_j is the head's exact one: the sampler's warpers and softmax over its K
+candidates (its logits are -inf elsewhere), so the accept test min(1, p/q) and the residual stay exact.
 
 Files, beside the SAT adapter: ``sampler_head.safetensors`` and ``sampler_head.json`` (`HeadConfig`);
 loading is the exact inverse of saving. Training: sdsat/train/head.py.
@@ -43,6 +45,7 @@ from . import native
 HEAD_CONFIG_FILE = "sampler_head.json"
 COMBINED_TERMS = 6  # what the combiner reads per candidate (`SamplerHead.combine`)
 HEAD_WEIGHTS_FILE = "sampler_head.safetensors"
+MATCH_CAP = 16  # the longest match the match term measures (L(c) in the module's formula)
 
 
 class Terms(NamedTuple):
@@ -69,6 +72,7 @@ class HeadConfig:
     context: bool = False  # also v_j log(1 + how often prev was followed by c earlier in this text)
     context3: bool = False  # also x_j log(1 + how often the two tokens before the draft were followed by c earlier)
     combiner: int = 0  # hidden units of a small MLP over each candidate's terms, added to its score (0: none)
+    match: bool = False  # also m_j log(1 + max(0, L(c) - 2)), L(c) the longest match of the text's end followed by c
 
 
 class SamplerHead(nn.Module):
@@ -90,6 +94,7 @@ class SamplerHead(nn.Module):
         self.pair_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) w_j
         self.context_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) v_j
         self.context3_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) x_j
+        self.match_weight = nn.Parameter(torch.zeros(config.num_sats))  # (num_sats,) m_j
         self.register_buffer("bigram_keys", torch.zeros(0, dtype=torch.long))  # (P,) sorted
         self.register_buffer("bigram_counts", torch.zeros(0))  # (P,)
         self.register_buffer("prev_counts", torch.zeros(config.vocab_size))  # (V,)
@@ -144,8 +149,8 @@ class SamplerHead(nn.Module):
 
     def scores(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
                cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor,
-               seen: torch.Tensor | None = None, seen3: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               seen: torch.Tensor | None = None, seen3: torch.Tensor | None = None,
+               match: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The K candidates' scores (N, K) float32 and the correction u (N, H).
 
         Args:
@@ -154,9 +159,11 @@ class SamplerHead(nn.Module):
             embed_in / embed_out: (V, H) the model's input and output embeddings.
             seen: (N, K) how often prev was followed by each candidate earlier in the text (`seen_after`); needed
                 when the head reads the context. seen3: the same for the two tokens before the draft (order 3).
+            match: (N, K) the longest match followed by each candidate (`match_lengths`), for a head with the match
+                term.
         """
         terms, u = self.text_free_terms(h, prev, slot, cand, cand_logits, embed_in, embed_out)
-        return self.combine(terms, slot, seen, seen3), u
+        return self.combine(terms, slot, seen, seen3, match), u
 
     def text_free_terms(self, h: torch.Tensor, prev: torch.Tensor, slot: torch.Tensor, cand: torch.Tensor,
                         cand_logits: torch.Tensor, embed_in: torch.Tensor, embed_out: torch.Tensor
@@ -169,10 +176,23 @@ class SamplerHead(nn.Module):
         return Terms(cand_logits.float(), self.pair_logp(prev, cand), mlp), u
 
     def combine(self, terms: Terms, slot: torch.Tensor, seen: torch.Tensor | None,
-                seen3: torch.Tensor | None) -> torch.Tensor:
+                seen3: torch.Tensor | None, match: torch.Tensor | None = None) -> torch.Tensor:
         """The candidates' scores from their terms and the text's counts of pairs (`seen`) and triples (`seen3`),
-        where read: z + w_j log P(c | prev) + u . E_out[c] + v_j log(1 + n) + x_j log(1 + n3) (+ the combiner's g)."""
+        where read: z + w_j log P(c | prev) + u . E_out[c] + v_j log(1 + n) + x_j log(1 + n3) (+ the combiner's g)
+        (+ the match term, on the longest matches `match`)."""
         slot = slot.clamp(max=self.config.num_sats - 1)
+        if self.config.match and match is None:
+            raise ValueError("this sampler head reads the text's longest matches: pass `match` (match_lengths)")
+        scores = self._combined(terms, slot, seen, seen3)
+        return scores + self.match_term(match, slot) if self.config.match else scores
+
+    def match_term(self, lengths: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """m_j log(1 + max(0, L - 2)) for lengths L (N, K) and slots (N,) (already clamped): added after the
+        combiner, which was trained without it."""
+        return self.match_weight[slot, None].float() * match_feature(lengths)
+
+    def _combined(self, terms: Terms, slot: torch.Tensor, seen: torch.Tensor | None,
+                  seen3: torch.Tensor | None) -> torch.Tensor:
         scores = terms.z + self.pair_weight[slot, None].float() * terms.pair
         if terms.mlp is not None:
             scores = scores + terms.mlp
@@ -201,13 +221,13 @@ class SamplerHead(nn.Module):
                  embed_in: torch.Tensor, embed_out: torch.Tensor) -> Callable[..., torch.Tensor]:
         """`scores` for a draft pass's k rows drafted in turn (in eval mode: no dropout). What does not depend on
         the token before a draft is computed here for every row at once, and the bigram term for every token a row
-        may follow (t, or one of the row before's K candidates); the returned score(j, i, seen, seen3) gives row
-        j's (1, K) scores after t (j = 0) or after candidate i of row j - 1, given the text's counts at that point
-        (lists of K, `TextCounts.after_last`; None where the head does not read them), equal to `scores` up to
-        rounding. A draft pass calls it once per draft, in sequence, so its ops are few: each costs about as much
-        to set up as to run at this size (docs/results.md, "The sampler head's share of a draft pass"); on a CPU
-        where the project's kernels are built, a float32 head with one hidden layer scores each draft in one compiled
-        call (`native_scores`)."""
+        may follow (t, or one of the row before's K candidates); the returned score(j, i, seen, seen3, match) gives
+        row j's (1, K) scores after t (j = 0) or after candidate i of row j - 1, given the text's counts at that point
+        (lists of K, `TextCounts.after_last` and `TextCounts.longest_matches`; None where the head does not read
+        them), equal to `scores` up to rounding. A draft pass calls it once per draft, in sequence, so its ops are
+        few: each costs about as much to set up as to run at this size (docs/results.md, "The sampler head's share
+        of a draft pass"); on a CPU where the project's kernels are built, a float32 head with one hidden layer
+        scores each draft in one compiled call (`native_scores`)."""
         k, top, device = *cand.shape, cand.device  # top: K
         config, slots = self.config, [min(j, self.config.num_sats - 1) for j in range(k)]
         rows = torch.tensor([0] + [j for j in range(1, k) for _ in range(top)], device=device)  # each option's row
@@ -244,7 +264,19 @@ class SamplerHead(nn.Module):
                                         float(self.combine_out.bias)) if config.combiner
                                        else (None, nothing, nothing, 0.0))
 
-        def score(j: int, i: int, seen: list[int] | None = None, seen3: list[int] | None = None) -> torch.Tensor:
+        def score(j: int, i: int, seen: list[int] | None = None, seen3: list[int] | None = None,
+                  match: list[int] | None = None) -> torch.Tensor:
+            scores = unmatched(j, i, seen, seen3)
+            if not config.match:
+                return scores
+            if match is None:
+                raise ValueError("this sampler head reads the text's longest matches: pass `match`")
+            if max(match) <= 2:  # the term is 0 for every candidate
+                return scores
+            lengths = torch.tensor(match, device=device)[None]
+            return scores + self.match_term(lengths, slot[j:j + 1])
+
+        def unmatched(j: int, i: int, seen: list[int] | None, seen3: list[int] | None) -> torch.Tensor:
             at = 0 if j == 0 else 1 + (j - 1) * top + i
             for on, name, value in ((config.context, "seen", seen), (config.context3, "seen3", seen3)):
                 if on and value is None:
@@ -315,14 +347,15 @@ class SamplerHead(nn.Module):
             hidden: (N, H) SAT rows' final hidden states; z: (N, V) their logits (the SATs' own).
             prev: (N,) the token before each draft; slot: (N,) each SAT's index j - 1 in its run.
             history: (T,) the text's tokens and ends: (N,) where each row's prev stands in it (a head that reads
-                the context needs them).
+                the context or its longest matches needs them).
         """
         cand_logits, cand = z.topk(self.config.candidates, dim=-1)  # (N, K) each
         cand, order = cand.sort(dim=-1)  # token order: a draw among them picks what a draw over the vocabulary would
         cand_logits = cand_logits.gather(-1, order).float()  # z's values, exact in float32
         seen = seen_after(history, ends, cand) if self.config.context else None
         seen3 = seen_after(history, ends, cand, order=3) if self.config.context3 else None
-        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out, seen, seen3)
+        match = match_lengths(history, ends, cand) if self.config.match and history is not None else None
+        scores, _ = self.scores(hidden, prev, slot, cand, cand_logits, embed_in, embed_out, seen, seen3, match)
         return cand, scores
 
     def save(self, folder: str | Path) -> None:
@@ -344,7 +377,7 @@ class SamplerHead(nn.Module):
         head = cls(config)
         if "bigram_keys" in tensors:
             head.set_bigrams(tensors)
-        for name in ("context_weight", "context3_weight"):  # saved before these terms existed
+        for name in ("context_weight", "context3_weight", "match_weight"):  # saved before these terms existed
             tensors.setdefault(name, torch.zeros(config.num_sats))
         try:
             head.load_state_dict(tensors)
@@ -382,13 +415,47 @@ def seen_after(history: torch.Tensor, ends: torch.Tensor, cand: torch.Tensor, or
     return ((history[1:][None, None] == cand[:, :, None]) & after[:, None]).sum(-1)  # (N, K)
 
 
+def match_feature(lengths: torch.Tensor) -> torch.Tensor:
+    """The match term's value for longest matches L: log(1 + max(0, L - 2)), 0 up to the triples' two tokens."""
+    return torch.log1p((lengths.float() - 2).clamp(min=0))
+
+
+def match_lengths(history: torch.Tensor, ends: torch.Tensor, cand: torch.Tensor, cap: int = MATCH_CAP,
+                  rows: int = 256) -> torch.Tensor:
+    """(T,) tokens, (N,) positions in them, (N, K) candidates -> (N, K) for each candidate c the longest L <= cap
+    such that the L tokens ending at the row's position were followed by c earlier: history[i - L + 1 .. i] ==
+    history[end - L + 1 .. end] and history[i + 1] == c, for i + 1 <= end (0 where c never followed the row's
+    token). `rows` rows at a time bound the memory."""
+    out = torch.zeros(cand.shape, dtype=torch.long, device=cand.device)
+    if len(history) < 2:  # nothing came before anything
+        return out
+    i = torch.arange(len(history) - 1, device=history.device)  # aligned with the row's end; i + 1 follows
+    for first in range(0, len(ends), rows):
+        end = ends[first:first + rows]
+        run = (i[None] < end[:, None]).long()  # (n, T - 1): still matching, back to `back` tokens
+        length = torch.zeros_like(run)
+        for back in range(cap):
+            here, there = i - back, end - back
+            same = history[here.clamp(min=0)][None] == history[there.clamp(min=0)][:, None]
+            run = run * (same & (here >= 0)[None] & (there >= 0)[:, None])
+            if not run.any():
+                break
+            length += run
+        follows = history[1:][None, None] == cand[first:first + rows, :, None]  # (n, K, T - 1)
+        out[first:first + rows] = (length[:, None] * follows).amax(-1)
+    return out
+
+
 class TextCounts:
     """How often each pair and triple of tokens occurs in a growing text, for those that end in one of the
-    `wanted` tokens: `seen_after` at the text's last token, counted once per draft pass instead of once per draft."""
+    `wanted` tokens: `seen_after` at the text's last token, counted once per draft pass instead of once per draft;
+    and where each triple followed by a wanted token ended (`after_triple`), from which `longest_matches` extends
+    the text's last triple backwards."""
 
     def __init__(self, text: list[int], wanted: torch.Tensor):
         self.text = list(text)
         self.pairs, self.triples = Counter(), Counter()
+        self.after_triple: dict[tuple[int, int, int], list[int]] = {}  # a triple -> where it ended, a wanted token next
         wanted = set(wanted.flatten().tolist())  # a draft pass's few hundred tokens: Python's loop beats tensors' setup
         for end in range(1, len(self.text)):
             if self.text[end] in wanted:
@@ -399,6 +466,8 @@ class TextCounts:
         self.pairs[text[end - 1], text[end]] += 1
         if end >= 2:
             self.triples[text[end - 2], text[end - 1], text[end]] += 1
+        if end >= 3:
+            self.after_triple.setdefault((text[end - 3], text[end - 2], text[end - 1]), []).append(end - 1)
 
     def append(self, token: int) -> None:
         self.text.append(token)
@@ -410,6 +479,21 @@ class TextCounts:
         prev2 = self.text[-2] if len(self.text) > 1 else None
         return ([self.pairs.get((prev, c), 0) for c in cand], [self.triples.get((prev2, prev, c), 0) for c in cand])
 
+    def longest_matches(self, cand: list[int], cap: int = MATCH_CAP) -> list[int]:
+        """`match_lengths` at the text's last token, for matches of three tokens or more (the only ones the match
+        term reads; shorter ones are given as 0): each earlier end of the last triple is extended backwards."""
+        text, last = self.text, len(self.text) - 1
+        best: dict[int, int] = {}
+        if last >= 2:
+            for at in self.after_triple.get((text[last - 2], text[last - 1], text[last]), ()):
+                length = 3
+                while length < cap and at - length >= 0 and text[at - length] == text[last - length]:
+                    length += 1
+                follower = text[at + 1]
+                if best.get(follower, 0) < length:
+                    best[follower] = length
+        return [best.get(c, 0) for c in cand]
+
 
 def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t: int, embed_in: torch.Tensor,
                 embed_out: torch.Tensor, warp, draw, history: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +503,8 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
         hidden: (k, H) the SAT rows' final hidden states; logits: (k, V) their logits z.
         warp: (N, W) logits -> (N, W) the sampler's distribution (TokenChooser.probs), here over K candidates;
         draw: (N, W) distributions -> (N,) positions in the row (TokenChooser.draw).
-        history: every token before t (a head that reads the context counts its pairs and triples).
+        history: every token before t (a head that reads the context counts its pairs and triples, and finds its
+            longest matches).
     Returns q (k, V), each row the exact distribution its draft was drawn from, and the drafts (k,).
 
     The head's logits are -inf outside its K candidates, so each draft is warped and drawn among those K alone (the
@@ -433,12 +518,14 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
     cand, order = cand.sort(dim=-1)  # token order, as `candidates`
     cand_logits = cand_logits.gather(-1, order).float()
     score = head.drafting(hidden, cand, cand_logits, t, embed_in, embed_out)
-    reads_text = head.config.context or head.config.context3
+    reads_text = head.config.context or head.config.context3 or head.config.match
     counts = TextCounts(list(history) + [t], cand) if reads_text else None
     q = torch.zeros(logits.shape, device=device)
     candidates, drafts, prev = cand.tolist(), [], 0  # prev: t (0), else the index of the draft before among its K
     for j in range(k):
-        scores = score(j, prev, *(counts.after_last(candidates[j]) if reads_text else ()))
+        seen, seen3 = counts.after_last(candidates[j]) if reads_text else (None, None)
+        scores = score(j, prev, seen, seen3,
+                       match=counts.longest_matches(candidates[j]) if head.config.match else None)
         q_cand = warp(scores)  # (1, K)
         prev = int(draw(q_cand)[0])
         drafts.append(candidates[j][prev])

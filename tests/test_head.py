@@ -9,6 +9,7 @@ greedy output equals vanilla's.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -18,7 +19,7 @@ import sdsat.drafters as drafters
 from conftest import make_tiny_llama
 from sdsat.decoding import DecodeConfig, collect, decode
 from sdsat.drafters import DraftContext, conditioned_draft_pass
-from sdsat.head import HeadConfig, SamplerHead, head_beside, head_drafts, native_scores
+from sdsat.head import HeadConfig, SamplerHead, head_beside, head_drafts, match_lengths, native_scores
 from sdsat.sampling import SamplingConfig, TokenChooser
 from sdsat.sat import AdapterConfig, SatAdapter, SatModel, SatSpec
 from sdsat.timing import Clock
@@ -27,6 +28,8 @@ from test_sampling import ALPHA, PROMPT, SAMPLES, SilentTokenizer, exact_margina
 
 VOCAB = 8
 POSITIONS = 4
+# "5 3 t" followed by t + 1 for every t, then "5 3": whatever t is drawn, draft 1 has a run of three to follow
+REPEATING_PROMPT = [token for t in range(VOCAB) for token in (5, 3, t, (t + 1) % VOCAB)] + [5, 3]
 
 
 def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0, combiner: int = 0) -> SatModel:
@@ -55,7 +58,9 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0, combiner: int
             sat_model.sampler.pair_weight.fill_(0.5)
             sat_model.sampler.context_weight.fill_(1.0)
             sat_model.sampler.context3_weight.fill_(0.7)
+            sat_model.sampler.match_weight.copy_(torch.tensor([0.9, 1.4, 0.3, 2.0]))  # per SAT position
         sat_model.sampler.config.context = sat_model.sampler.config.context3 = True  # the text's own pairs and triples
+        sat_model.sampler.config.match = True  # and its longest matches
         pairs = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(seed))
         sat_model.sampler.config.vocab_size = VOCAB
         sat_model.sampler.set_bigrams({"bigram_keys": (pairs[:-1] * VOCAB + pairs[1:]).unique(),
@@ -66,20 +71,21 @@ def tiny_sat_model(head: bool, candidates: int = 5, seed: int = 0, combiner: int
 
 
 def sampled_positions(sat_model: SatModel, k: int, settings: dict, seeds: range, extra: int = 0,
-                      scheme: str = "two_step") -> list[Counter]:
+                      scheme: str = "two_step", prompt: list[int] = PROMPT) -> list[Counter]:
     counts = [Counter() for _ in range(POSITIONS)]
     for seed in seeds:
         config = DecodeConfig(method="sdsat", k=k, max_new_tokens=POSITIONS + 1, tree_candidates=extra, scheme=scheme,
                               sampling=SamplingConfig(do_sample=True, seed=seed, **settings))
-        result = collect(decode(sat_model, SilentTokenizer(), PROMPT, config, eos_ids=[]))
+        result = collect(decode(sat_model, SilentTokenizer(), prompt, config, eos_ids=[]))
         for i, token in enumerate(result.token_ids[:POSITIONS]):
             counts[i][token] += 1
     return counts
 
 
-def p_values(sat_model: SatModel, k: int, settings: dict, extra: int = 0, scheme: str = "two_step") -> list[float]:
-    marginals = exact_marginals(sat_model.model, settings, POSITIONS)
-    counts = sampled_positions(sat_model, k, settings, range(SAMPLES), extra, scheme)
+def p_values(sat_model: SatModel, k: int, settings: dict, extra: int = 0, scheme: str = "two_step",
+             prompt: list[int] = PROMPT) -> list[float]:
+    marginals = exact_marginals(sat_model.model, settings, POSITIONS, prompt)
+    counts = sampled_positions(sat_model, k, settings, range(SAMPLES), extra, scheme, prompt)
     return [marginal_fit(c, m) for c, m in zip(counts, marginals)]
 
 
@@ -204,7 +210,9 @@ def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, c
     chooser = TokenChooser(SamplingConfig(do_sample=True, temperature=1.3, seed=2), sat_model.device)
     model = sat_model.model
     embed_in, embed_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    history = PROMPT + [6, 2, 3, 6, 2, 1, 6]  # after it, t = 2: pairs and triples seen before
+    # after it, t = 2: pairs and triples seen before, and "6 2 d" followed by d + 1 for every d, so that whatever
+    # draft 1 is, draft 2 has a run of three to follow
+    history = PROMPT + [token for d in range(VOCAB) for token in (6, 2, d, (d + 1) % VOCAB)] + [5, 6]
     with torch.inference_mode():
         ids = torch.tensor([history + [0] * k])
         slots = torch.tensor([[-1] * len(history) + list(range(k))])
@@ -220,6 +228,11 @@ def test_drafting_a_pass_at_once_equals_each_row_scored_alone(mlp, context, k, c
                               embed_out, text, torch.tensor([end]))
             assert torch.allclose(chooser.probs(row)[0], q[j], atol=1e-6)
             assert q[j, drafts[j]] > 0
+        ends = torch.arange(len(history), len(history) + k)
+        candidates = logits.topk(head.config.candidates, dim=-1).indices
+        read = match_lengths(text, ends, candidates)  # what each row's match term read
+        # a later draft's term read a run of three or more (where a slot's weight would show a mix-up)
+        assert k == 1 or (read[1:].amax(-1) >= 3).any()
     assert calls == ([None] * k if compiled else [])  # one compiled call per draft, or none
 
 
@@ -273,13 +286,16 @@ def test_the_compiled_scores_read_a_bfloat16_embedding_as_the_ops_do(monkeypatch
     ("chain-t1.3-k3-combiner", 3, 0, dict(temperature=1.3), 8),
     ("chain-t1.3-k3-combiner-compiled", 3, 0, dict(temperature=1.3), 8),
     ("fused-t1.3-k2", 2, 0, dict(temperature=1.3), 0),
+    ("chain-t1.3-k3-repeats", 3, 0, dict(temperature=1.3), 8),
 ])
 def test_sampling_with_the_head_gives_vanilla_sampling_at_every_position(name, k, extra, settings, combiner,
                                                                           monkeypatch, request):
-    """Each draft's scores from the compiled kernel where the name says so, else from PyTorch's ops."""
+    """Each draft's scores from the compiled kernel where the name says so, else from PyTorch's ops. "repeats": a
+    prompt that repeats itself, so that the match term reads runs of three or more at many drafts."""
     calls = compiled_calls(monkeypatch, request, name.endswith("compiled"))
     scheme = "fused" if name.startswith("fused") else "two_step"
-    p = p_values(tiny_sat_model(head=True, combiner=combiner), k, settings, extra, scheme)
+    prompt = REPEATING_PROMPT if name.endswith("repeats") else PROMPT
+    p = p_values(tiny_sat_model(head=True, combiner=combiner), k, settings, extra, scheme, prompt)
     assert min(p) > ALPHA, p
     assert bool(calls) == name.endswith("compiled")
 
@@ -348,11 +364,13 @@ def test_seen_after_of_order_3_counts_the_triples_before_each_position():
 
 def test_text_counts_equal_seen_after_as_the_text_grows():
     """A draft pass counts the text's pairs and triples once (TextCounts) and adds each draft as it is drawn: at
-    every length its counts at the last token equal `seen_after`'s over the whole text."""
+    every length its counts at the last token equal `seen_after`'s over the whole text, and its longest matches
+    `match_lengths`' (from three tokens, the ones the match term reads)."""
     from sdsat.head import TextCounts, seen_after
 
     gen = torch.Generator().manual_seed(2)
     text = torch.randint(0, 9, (60,), generator=gen).tolist()  # tokens beyond the candidates too
+    text[36:58] = text[5:27]  # a run longer than the cap to find
     cand = torch.tensor([[0, 1, 2], [2, 3, 4]])
     counts = TextCounts(text[:40], cand)
     for end in range(39, 60):
@@ -363,19 +381,93 @@ def test_text_counts_equal_seen_after_as_the_text_grows():
             pairs, triples = counts.after_last(row)
             assert pairs == seen_after(whole, where, torch.tensor([row]))[0].tolist()
             assert triples == seen_after(whole, where, torch.tensor([row]), order=3)[0].tolist()
+            longest = match_lengths(whole, where, torch.tensor([row]))[0].tolist()
+            assert counts.longest_matches(row) == [n if n >= 3 else 0 for n in longest]  # the term reads 3 and up
 
 
-def test_a_head_saved_before_the_context_terms_loads_with_them_off(tmp_path):
+def test_match_lengths_equal_a_plain_search():
+    """For each row and candidate c: the longest run of tokens ending at the row's position that also ended earlier
+    at some i with c at i + 1 (i + 1 <= the position), capped; checked against a search written out plainly."""
+    gen = torch.Generator().manual_seed(4)
+    text = torch.randint(0, 4, (70,), generator=gen)  # four tokens: long matches are common
+    text[40:62] = text[5:27]  # a run of 22 copied
+    ends = torch.tensor([0, 1, 5, 21, 40, 61, 69])
+    cand = torch.arange(4)[None].expand(len(ends), 4)
+    seq = text.tolist()
+
+    def plain(end: int, c: int, cap: int) -> int:
+        best = 0
+        for i in range(end):
+            if seq[i + 1] != c:
+                continue
+            n = 0
+            while n < cap and i - n >= 0 and seq[i - n] == seq[end - n]:
+                n += 1
+            best = max(best, n)
+        return best
+
+    for cap in (16, 5):
+        found = match_lengths(text, ends, cand, cap=cap, rows=3)  # rows in two chunks and a remainder
+        assert found.tolist() == [[plain(int(e), c, cap) for c in range(4)] for e in ends]
+    assert match_lengths(text, ends, cand)[5].max() == 16  # the copied run is longer than the cap
+
+
+def test_the_match_term_follows_the_longest_match():
+    """Scores with the match term are the scores without it plus m_j log(1 + max(0, L - 2)), after the combiner; in
+    drafting, a head with a large m_j drafts what followed the longest earlier match of the text's end."""
+    sat_model = tiny_sat_model(head=True, candidates=VOCAB, combiner=8)
+    head = sat_model.sampler
+    gen = torch.Generator().manual_seed(7)
+    n, k, hidden = 3, 5, head.config.hidden_size
+    h, embed = torch.randn(n, hidden, generator=gen), torch.randn(VOCAB, hidden, generator=gen)
+    prev, slot, cand = torch.tensor([1, 4, 6]), torch.tensor([0, 1, 3]), torch.randint(0, VOCAB, (n, k), generator=gen)
+    z, seen, seen3 = torch.randn(n, k, generator=gen), torch.randint(0, 4, (n, k)), torch.randint(0, 3, (n, k))
+    lengths = torch.tensor([[0, 2, 3, 7, 16], [1, 0, 0, 0, 4], [3, 3, 0, 0, 0]])
+    with torch.no_grad():
+        head.match_weight.copy_(torch.tensor([0.5, 1.0, 1.5, 2.0]))
+        scores, _ = head.scores(h, prev, slot, cand, z, embed, embed, seen, seen3, lengths)
+        head.config.match = False
+        alone, _ = head.scores(h, prev, slot, cand, z, embed, embed, seen, seen3)
+        head.config.match = True
+        with pytest.raises(ValueError, match="longest matches"):
+            head.scores(h, prev, slot, cand, z, embed, embed, seen, seen3)
+    term = head.match_weight.detach()[slot][:, None] * torch.log1p((lengths.float() - 2).clamp(min=0))
+    assert torch.allclose(scores, alone + term, atol=1e-6)
+    assert term[1, :4].eq(0).all() and term[0, 3] > term[0, 2] > 0
+
+    model = sat_model.model
+    embed_in, embed_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    history = PROMPT + [5, 7, 1, 4, 0, 6, 2, 3, 5, 7, 1, 4, 0]  # t = 6 makes "5 7 1 4 0 6" again: 2 followed it
+    chooser = TokenChooser(SamplingConfig(), sat_model.device)
+    with torch.inference_mode():
+        ids = torch.tensor([history + [0] * 3])
+        hidden_states = sat_model.hidden_states(ids, torch.tensor([[-1] * len(history) + [0, 1, 2]]))[0, -3:]
+        logits = sat_model.head(hidden_states)
+        head.match_weight.fill_(50.0)
+        _, drafts = head_drafts(head, hidden_states, logits, 6, embed_in, embed_out, chooser.probs, chooser.draw,
+                                history)
+        head.config.match = False
+        _, without = head_drafts(head, hidden_states, logits, 6, embed_in, embed_out, chooser.probs, chooser.draw,
+                                 history)
+    assert drafts.tolist() == [2, 3, 5]  # the rest of the earlier run, draft after draft
+    assert without.tolist() != [2, 3, 5]
+
+
+def test_a_head_saved_before_the_context_and_match_terms_loads_with_them_off(tmp_path):
     from safetensors.torch import load_file, save_file
 
     head = tiny_sat_model(head=True).sampler
     head.config.context = head.config.context3 = False
     head.save(tmp_path)
     tensors = load_file(str(tmp_path / "sampler_head.safetensors"))
-    del tensors["context_weight"], tensors["context3_weight"]
+    del tensors["context_weight"], tensors["context3_weight"], tensors["match_weight"]
     save_file(tensors, str(tmp_path / "sampler_head.safetensors"))
+    config = json.loads((tmp_path / "sampler_head.json").read_text())
+    del config["match"]
+    (tmp_path / "sampler_head.json").write_text(json.dumps(config))
     loaded = head_beside(tmp_path)
     assert not loaded.config.context3 and torch.equal(loaded.context3_weight, torch.zeros(4))
+    assert not loaded.config.match and torch.equal(loaded.match_weight, torch.zeros(4))
     assert torch.equal(loaded.pair_weight, head.pair_weight)
 
 
@@ -383,6 +475,7 @@ def test_the_combiner_adds_its_mlp_of_each_candidates_terms():
     """g = combine_out(gelu(combine_in(terms) + position)) over [z - max z, pair, log1p counts, mlp, score - max], added
     to the score the terms give alone."""
     head = tiny_sat_model(head=True, combiner=8).sampler
+    head.config.match = False  # added after the combiner: test_the_match_term_follows_the_longest_match
     gen = torch.Generator().manual_seed(7)
     n, k, hidden = 3, 5, head.config.hidden_size
     h, embed = torch.randn(n, hidden, generator=gen), torch.randn(VOCAB, hidden, generator=gen)

@@ -262,12 +262,12 @@ TREES = {
 TREE_TOKENS = 4
 
 
-def exact_marginals(model, settings: dict, positions: int) -> list[np.ndarray]:
-    """P(x_i) of vanilla sampling for each of the first `positions` new tokens, exactly: every sequence of the
-    first positions - 1 tokens is fed in one batch, and the chain rule sums over them."""
-    n, v = len(PROMPT), VOCAB
+def exact_marginals(model, settings: dict, positions: int, prompt: list[int] = PROMPT) -> list[np.ndarray]:
+    """P(x_i) of vanilla sampling for each of the first `positions` new tokens after `prompt`, exactly: every
+    sequence of the first positions - 1 tokens is fed in one batch, and the chain rule sums over them."""
+    n, v = len(prompt), VOCAB
     prefixes = torch.cartesian_prod(*[torch.arange(v)] * (positions - 1)).reshape(-1, positions - 1)
-    seqs = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), n), prefixes], 1)
+    seqs = torch.cat([torch.tensor(prompt).expand(len(prefixes), n), prefixes], 1)
     with torch.inference_mode():
         logits = model(input_ids=seqs).logits.float()
     warp = warpers(settings)

@@ -67,7 +67,7 @@ def along_head(sat_model, prompt_ids: list[int], output_ids: list[int], k: int) 
     """`along` through the final hidden states, and through the sampler head where the adapter has one
     (head.py): SAT j is then conditioned on the output token before the one it drafts (t for SAT 1), which is
     draft j - 1 wherever drafts 1..j - 1 were accepted. Same shapes as `along`."""
-    return _through_head(sat_model, _logits_along(sat_model, prompt_ids, output_ids, k), prompt_ids, output_ids, k)
+    return _through_head(sat_model, logits_along(sat_model, prompt_ids, output_ids, k), prompt_ids, output_ids, k)
 
 
 def along_heads(models: dict, prompt_ids: list[int], output_ids: list[int], k: int) -> dict:
@@ -81,23 +81,30 @@ def along_heads(models: dict, prompt_ids: list[int], output_ids: list[int], k: i
         folder_of = sat_model.spec.adapter
         key = (Path(folder_of) / "adapter_model.safetensors").resolve() if folder_of else id(sat_model.adapter)
         if key not in shared:
-            shared[key] = _logits_along(sat_model, prompt_ids, output_ids, k)
+            shared[key] = logits_along(sat_model, prompt_ids, output_ids, k)
         results[folder] = _through_head(sat_model, shared[key], prompt_ids, output_ids, k)
     return results
 
 
-def _logits_along(sat_model, prompt_ids, output_ids, k) -> tuple[torch.Tensor, ...]:
+def logits_along(sat_model, prompt_ids, output_ids, k) -> tuple[torch.Tensor, ...]:
+    """The standard rows' logits (R k, V) at the positions the SATs stand for, the SATs' own logits (R k, V),
+    their final hidden states (R k, H) and slots (R k,): what a sampler head re-ranks (`along_head`)."""
     standard, sats, slot = _states_along(sat_model, prompt_ids, output_ids, k)
     with torch.inference_mode():
         return sat_model.head(standard), sat_model.head(sats), sats, slot
 
 
+def draft_prev_positions(prompt_len: int, runs: int, k: int, slot: torch.Tensor) -> torch.Tensor:
+    """(R k,) where the token before each SAT row's draft stands in prompt + output: run r's pass follows output
+    position r (t is the output token there) and SAT j + 1 drafts the token after position r + j (slot j)."""
+    return torch.arange(prompt_len, prompt_len + runs, device=slot.device).repeat_interleave(k) + slot
+
+
 def _through_head(sat_model, logits: tuple[torch.Tensor, ...], prompt_ids, output_ids, k) -> tuple[torch.Tensor, ...]:
     teacher, z, sats, slot = logits
-    seq, runs = prompt_ids + output_ids, len(output_ids) - k
-    model, device = sat_model.model, sat_model.device
-    tokens = torch.tensor(seq, device=device)
-    where = torch.arange(len(prompt_ids), len(prompt_ids) + runs, device=device).repeat_interleave(k) + slot
+    runs, model, device = len(output_ids) - k, sat_model.model, sat_model.device
+    tokens = torch.tensor(prompt_ids + output_ids, device=device)
+    where = draft_prev_positions(len(prompt_ids), runs, k, slot)
     with torch.inference_mode():
         student = z if sat_model.sampler is None else sat_model.sampler.logits(
             sats, z, tokens[where], slot, model.get_input_embeddings().weight, model.get_output_embeddings().weight,
