@@ -289,11 +289,12 @@ def test_performance_floor_on_shipped_adapter(default_engine):
     assert summary["all_greedy_identical"], summary["greedy_mismatches"]
     rows = {(r["k"], r["scheme"]): r for r in summary["variants"] if r["method"] == "sdsat_greedy"}
     assert rows[(k, "two_step")]["tokens_per_forward_pass"] >= TOKENS_PER_FORWARD_PASS_FLOOR, rows[(k, "two_step")]
-    # The draft tree's runner-ups are accepted often enough to show (measured: draft 1 accepted 0.78
-    # against 0.65, 1.61 against 1.51 tokens per forward pass, on these prompts).
+    # The draft tree's runner-ups are accepted often enough to show (measured with the head's match term: draft 1
+    # accepted 0.94 against 0.86, 1.94 against 1.90 tokens per forward pass, on these prompts; the term lifted the
+    # chain from 1.86 and left the tree where it was).
     chain, tree = rows[(k, "two_step")], rows[(k, "tree")]
     assert tree["acceptance_by_position"][0] >= chain["acceptance_by_position"][0] + 0.05, (chain, tree)
-    assert tree["tokens_per_forward_pass"] >= chain["tokens_per_forward_pass"] + 0.04, (chain, tree)
+    assert tree["tokens_per_forward_pass"] >= chain["tokens_per_forward_pass"] + 0.02, (chain, tree)
 
 
 def test_pass_cost_measures_every_block_and_leaves_the_cache_as_it_was(monkeypatch):
