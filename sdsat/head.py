@@ -452,8 +452,8 @@ class TextCounts:
     and where each triple followed by a wanted token ended (`after_triple`), from which `longest_matches` extends
     the text's last triple backwards."""
 
-    def __init__(self, text: list[int], wanted: torch.Tensor):
-        self.text = list(text)
+    def __init__(self, text: list[int], wanted: torch.Tensor, matches: bool = False):
+        self.text, self.matches = list(text), matches  # matches: keep `after_triple`, for `longest_matches`
         self.pairs, self.triples = Counter(), Counter()
         self.after_triple: dict[tuple[int, int, int], list[int]] = {}  # a triple -> where it ended, a wanted token next
         wanted = set(wanted.flatten().tolist())  # a draft pass's few hundred tokens: Python's loop beats tensors' setup
@@ -466,7 +466,7 @@ class TextCounts:
         self.pairs[text[end - 1], text[end]] += 1
         if end >= 2:
             self.triples[text[end - 2], text[end - 1], text[end]] += 1
-        if end >= 3:
+        if self.matches and end >= 3:
             self.after_triple.setdefault((text[end - 3], text[end - 2], text[end - 1]), []).append(end - 1)
 
     def append(self, token: int) -> None:
@@ -519,7 +519,7 @@ def head_drafts(head: SamplerHead, hidden: torch.Tensor, logits: torch.Tensor, t
     cand_logits = cand_logits.gather(-1, order).float()
     score = head.drafting(hidden, cand, cand_logits, t, embed_in, embed_out)
     reads_text = head.config.context or head.config.context3 or head.config.match
-    counts = TextCounts(list(history) + [t], cand) if reads_text else None
+    counts = TextCounts(list(history) + [t], cand, matches=head.config.match) if reads_text else None
     q = torch.zeros(logits.shape, device=device)
     candidates, drafts, prev = cand.tolist(), [], 0  # prev: t (0), else the index of the draft before among its K
     for j in range(k):

@@ -372,7 +372,7 @@ def test_text_counts_equal_seen_after_as_the_text_grows():
     text = torch.randint(0, 9, (60,), generator=gen).tolist()  # tokens beyond the candidates too
     text[36:58] = text[5:27]  # a run longer than the cap to find
     cand = torch.tensor([[0, 1, 2], [2, 3, 4]])
-    counts = TextCounts(text[:40], cand)
+    counts = TextCounts(text[:40], cand, matches=True)
     for end in range(39, 60):
         if end > 39:
             counts.append(text[end])
