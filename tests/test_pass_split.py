@@ -102,3 +102,20 @@ def test_a_suites_bounds_have_a_row_per_prompt_and_the_share_over_them():
     rows = [line for line in text.splitlines() if line.startswith("| first") or line.startswith("| second")]
     assert len(rows) == 2 and all(row.endswith("% |") for row in rows)
     assert "share of the bound over 2 prompts: median" in text
+
+
+def test_a_draft_pass_read_by_the_sampler_head_counts_its_output_head_as_the_pass(monkeypatch):
+    """With a sampler head the draft pass returns hidden states and projects its rows afterwards (sat_model.head):
+    that projection is the pass's, as it is inside the verify pass's forward, not the loop's Python. On a clock
+    that moves only inside the output head, every second is a forward pass's."""
+    from test_head import tiny_sat_model
+
+    clock = [0.0]
+    monkeypatch.setattr(pass_split.timing, "now", lambda device=None: clock[0])
+    sat_model = tiny_sat_model(head=True)
+    sat_model.model.lm_head.register_forward_hook(lambda *_: clock.__setitem__(0, clock[0] + 1.0))
+    engine = type("Engine", (), {"sat_model": sat_model, "tokenizer": TOKENIZER, "eos_ids": []})()
+    split, result = pass_split.split_decode(engine, [5, 1, 3, 6], DecodeConfig(method="sdsat", k=3, max_new_tokens=10))
+    assert len(result.steps) >= 2  # draft passes, each projecting its rows after the pass
+    assert split.parts[pass_split.PASSES] == split.total_s == 2 * len(result.steps)  # a draft and a verify pass each
+    assert split.parts[pass_split.LOOP] == 0

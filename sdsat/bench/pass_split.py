@@ -2,8 +2,9 @@
 
 A pass's time is split as `sdsat/pass_parts.py` splits it: the decoder layers' products, attention, the SAT
 updates, norms and rotary embeddings, the output head, and the rest. A decode's time is split into its forward
-passes, choosing tokens (TokenChooser), KV-cache surgery (kvcache.py) and the loop's own Python, timed the same
-way: by wrapping the callables that do each part, so that "loop Python" is what the others leave.
+passes (a pass's output head included, where its rows are projected after it), choosing tokens (TokenChooser),
+KV-cache surgery (kvcache.py) and the loop's own Python, timed the same way: by wrapping the callables that do each
+part, so that "loop Python" is what the others leave.
 
 Beside a decode's split it prints the speed-up its passes allow: the arithmetic bound is the vanilla decode's
 seconds per pass times the SDSAT decode's tokens, over the SDSAT decode's pass seconds; the measured speed-up
@@ -33,6 +34,9 @@ def split_decode(engine, prompt_ids: list[int], config) -> tuple[Split, object]:
     timer = Timer(engine.sat_model.device)
     passes = [(module, "call_with_cache", timer.wrap(PASSES, module.call_with_cache))
               for module in (decoding_module, sat)]
+    # A pass that returns hidden states (a draft pass read by the sampler head, the fused verify) has its rows
+    # projected onto the vocabulary afterwards: that output head is the pass's, as it is inside `forward`.
+    passes.append((engine.sat_model, "head", timer.wrap(PASSES, engine.sat_model.head)))
     choosing = [(TokenChooser, name, timer.wrap(CHOOSING, getattr(TokenChooser, name)))
                 for name in ("choose", "probs", "draw", "draw_ranked") if hasattr(TokenChooser, name)]
     surgery = [(module, name, timer.wrap(SURGERY, getattr(kvcache, name)))
