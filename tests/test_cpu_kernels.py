@@ -225,7 +225,7 @@ def test_the_compiled_product_is_row_invariant_for_any_shape_weights_and_threads
     gen = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
     try:
-        for out_features, in_features in ((37, 50), (5, 17), (200, 576), (1, 8)):
+        for out_features, in_features in ((37, 50), (5, 17), (200, 576), (1, 8), (3, 40)):
             for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                      (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
                 w = torch.randn(out_features, in_features, generator=gen).to(w_dtype)

@@ -102,6 +102,14 @@ def test_a_suites_bounds_have_a_row_per_prompt_and_the_share_over_them():
     rows = [line for line in text.splitlines() if line.startswith("| first") or line.startswith("| second")]
     assert len(rows) == 2 and all(row.endswith("% |") for row in rows)
     assert "share of the bound over 2 prompts: median" in text
+    assert "over the suite: an iteration costs" in text.splitlines()[-1]
+
+
+def test_the_suites_iteration_cost_gives_its_speed_up_and_what_more_needs():
+    # vanilla: 100 tokens in 5 s (50 ms a token); SDSAT: 100 tokens in 4 s over 25 iterations (160 ms, 4 tokens each)
+    line = pass_split.iteration_cost(v_tokens=100, v_seconds=5.0, s_tokens=100, s_seconds=4.0, iterations=25)
+    assert "costs 3.20 of vanilla's tokens (160.0 against 50.0 ms) and gives 4.00: 1.25x" in line
+    assert "each 0.1x more needs 0.32 more tokens an iteration" in line
 
 
 def test_a_draft_pass_read_by_the_sampler_head_counts_its_output_head_as_the_pass(monkeypatch):

@@ -74,13 +74,17 @@ def suite_bounds(engine, prompts: list, configs: dict) -> str:
     """Each prompt's measured speed-up beside its arithmetic bound (both decodes split on it), and the share of
     the bound over the prompts: where a suite's loop loses time outside its passes."""
     lines = ["| prompt | SDSAT tokens / iteration | measured | bound | share of bound |", "|---|---:|---:|---:|---:|"]
-    shares = []
+    shares, totals = [], dict.fromkeys(("v_tokens", "v_seconds", "s_tokens", "s_seconds", "iterations"), 0.0)
     for prompt in prompts:
         ids = engine.encode(prompt.text, chat=prompt.kind == "chat")
         loops = {method: split_decode(engine, ids, config) for method, config in configs.items()}
         bound = arithmetic_bound(loops["vanilla"], loops["sdsat"])
         result = loops["sdsat"][1]
         shares.append(bound["share_of_bound"])
+        for side, (split, decoded) in (("v", loops["vanilla"]), ("s", loops["sdsat"])):
+            totals[f"{side}_tokens"] += len(decoded.token_ids)
+            totals[f"{side}_seconds"] += split.total_s
+        totals["iterations"] += len(result.steps)
         lines.append(f"| {prompt.name} | {len(result.token_ids) / max(len(result.steps), 1):.2f} | "
                      f"{bound['measured']:.2f}x | {bound['bound']:.2f}x | {bound['share_of_bound']:.0%} |")
     if not shares:
@@ -88,7 +92,19 @@ def suite_bounds(engine, prompts: list, configs: dict) -> str:
     shares.sort()
     lines.append(f"\nshare of the bound over {len(shares)} prompts: median {shares[(len(shares) - 1) // 2]:.0%}, "
                  f"lowest {shares[0]:.0%}")
+    lines.append(iteration_cost(**totals))
     return "\n".join(lines)
+
+
+def iteration_cost(v_tokens: float, v_seconds: float, s_tokens: float, s_seconds: float, iterations: float) -> str:
+    """Over a suite: what an SDSAT iteration costs in vanilla's seconds per token, C, beside its tokens per
+    iteration, T. The suite's speed-up (all tokens over all seconds, prefills included) is exactly T / C, so a
+    speed-up S needs S * C tokens per iteration at this cost."""
+    per_token = v_seconds / v_tokens
+    cost, tokens = s_seconds / iterations / per_token, s_tokens / iterations
+    return (f"over the suite: an iteration costs {cost:.2f} of vanilla's tokens ({s_seconds / iterations * 1e3:.1f} "
+            f"against {per_token * 1e3:.1f} ms) and gives {tokens:.2f}: {tokens / cost:.2f}x, all tokens over all "
+            f"seconds; each 0.1x more needs {0.1 * cost:.2f} more tokens an iteration at this cost")
 
 
 BLOCKS = {"one token (vanilla)": ("plain", 1), "plain 4 tokens (verify, k = 3)": ("plain", 4),
@@ -115,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
                         help="sample at this temperature, vanilla and SDSAT alike (default 0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus when sampling (default 1)")
+    parser.add_argument("--plan", choices=("auto", "paper"), default="auto",
+                        help="SDSAT's plan: auto's for this machine, or the paper's scheme alone (two_step, k = 3, a "
+                             "chain of SAT drafts: no prompt lookup, no tree) (default auto)")
     parser.add_argument("--json", metavar="OUT", help="also write the splits (seconds) here (default: none)")
     args = parser.parse_args(argv)
     sampling = SamplingConfig(do_sample=args.temperature > 0, temperature=args.temperature or 1.0,
@@ -139,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     engine.use_stored_tuning()
     configs = {method: engine.auto_config(DecodeConfig(method=method, max_new_tokens=args.max_new_tokens,
                                                        sampling=sampling)) for method in ("vanilla", "sdsat")}
+    if args.plan == "paper":
+        configs["sdsat"] = DecodeConfig(method="sdsat", max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                        scheme="two_step", k=3, lookup_tokens=0, tree_candidates=0)
     if args.prompts or args.subset:
         from .prompts import PromptFileError, file_prompts, humaneval_prompts
 
