@@ -158,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     engine.use_stored_tuning()
     configs = {method: engine.auto_config(DecodeConfig(method=method, max_new_tokens=args.max_new_tokens,
                                                        sampling=sampling)) for method in ("vanilla", "sdsat")}
-    if args.plan == "paper":
+    if args.plan == "paper":  # as the page's "paper" preset
+        from ..ui.presets import FIXED
+
         configs["sdsat"] = DecodeConfig(method="sdsat", max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                        scheme="two_step", k=3, lookup_tokens=0, tree_candidates=0)
+                                        scheme="two_step", **FIXED["paper"])
     if args.prompts or args.subset:
         from .prompts import PromptFileError, file_prompts, humaneval_prompts
 
